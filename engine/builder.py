@@ -1,0 +1,303 @@
+"""Build a Qwen3.5 checkpoint folder in the Hub layout from registry numbers and a seed.
+
+The folder is what a real Qwen3.5 download looks like (config.json with a `text_config`,
+safetensors with the official tensor names, tokenizer.json, tokenizer_config.json,
+chat_template.jinja), so the loading code we test is the code real weights go through.
+
+Weights are seeded per tensor name, so the bytes are identical on every machine and each
+tensor can be generated and written on its own: a 27B model streams to disk without ever
+being held in memory whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .registry import Architecture, ModelEntry
+from .tokenizer import dump_json, tokenizer_config, tokenizer_json
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+SHARD_BYTES = 4 << 30  # like the Hub's sharded checkpoints
+INIT_RANGE = 0.02
+_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2)}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    init: str  # normal | zero_norm | one_norm | a_log | dt_bias
+    std: float = 0.0
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape))
+
+
+def tensor_plan(arch: Architecture) -> list[TensorSpec]:
+    """Every tensor of the text model, with the official names and shapes."""
+    h, p = arch.hidden_size, "model.language_model."
+    out_std = (2 * arch.num_hidden_layers) ** -0.5  # residual branches start small
+
+    def linear(name: str, n_out: int, n_in: int, scale: float = 1.0) -> TensorSpec:
+        return TensorSpec(name, (n_out, n_in), "normal", scale * n_in**-0.5)
+
+    # Embeddings (and the LM head) use the config's initializer_range, as transformers does.
+    specs = [TensorSpec(p + "embed_tokens.weight", (arch.vocab_size, h), "normal", INIT_RANGE)]
+    for i, kind in enumerate(arch.layer_types):
+        lp = f"{p}layers.{i}."
+        if kind == "linear_attention":
+            a = lp + "linear_attn."
+            hv, dv = arch.linear_num_value_heads, arch.linear_value_head_dim
+            k = arch.linear_conv_kernel_dim
+            specs += [
+                linear(a + "in_proj_qkv.weight", arch.linear_conv_dim, h),
+                linear(a + "in_proj_z.weight", hv * dv, h),
+                linear(a + "in_proj_b.weight", hv, h),
+                linear(a + "in_proj_a.weight", hv, h),
+                TensorSpec(a + "conv1d.weight", (arch.linear_conv_dim, 1, k), "normal", k**-0.5),
+                TensorSpec(a + "dt_bias", (hv,), "dt_bias"),
+                TensorSpec(a + "A_log", (hv,), "a_log"),
+                TensorSpec(a + "norm.weight", (dv,), "one_norm"),
+                linear(a + "out_proj.weight", h, hv * dv, out_std),
+            ]
+        else:
+            a = lp + "self_attn."
+            nq, nkv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+            specs += [
+                linear(a + "q_proj.weight", 2 * nq * d, h),  # query and output gate
+                linear(a + "k_proj.weight", nkv * d, h),
+                linear(a + "v_proj.weight", nkv * d, h),
+                linear(a + "o_proj.weight", h, nq * d, out_std),
+                TensorSpec(a + "q_norm.weight", (d,), "zero_norm"),
+                TensorSpec(a + "k_norm.weight", (d,), "zero_norm"),
+            ]
+        m = lp + "mlp."
+        if arch.is_moe:
+            e, inter, shared = (
+                arch.num_experts,
+                arch.moe_intermediate_size,
+                arch.shared_expert_intermediate_size,
+            )
+            specs += [
+                linear(m + "gate.weight", e, h),
+                TensorSpec(m + "experts.gate_up_proj", (e, 2 * inter, h), "normal", h**-0.5),
+                TensorSpec(m + "experts.down_proj", (e, h, inter), "normal", out_std * inter**-0.5),
+                linear(m + "shared_expert.gate_proj.weight", shared, h),
+                linear(m + "shared_expert.up_proj.weight", shared, h),
+                linear(m + "shared_expert.down_proj.weight", h, shared, out_std),
+                linear(m + "shared_expert_gate.weight", 1, h),
+            ]
+        else:
+            inter = arch.intermediate_size
+            specs += [
+                linear(m + "gate_proj.weight", inter, h),
+                linear(m + "up_proj.weight", inter, h),
+                linear(m + "down_proj.weight", h, inter, out_std),
+            ]
+        specs += [
+            TensorSpec(lp + "input_layernorm.weight", (h,), "zero_norm"),
+            TensorSpec(lp + "post_attention_layernorm.weight", (h,), "zero_norm"),
+        ]
+    specs.append(TensorSpec(p + "norm.weight", (h,), "zero_norm"))
+    if not arch.tie_word_embeddings:
+        specs.append(TensorSpec("lm_head.weight", (arch.vocab_size, h), "normal", INIT_RANGE))
+    return specs
+
+
+def parameter_count(arch: Architecture) -> int:
+    return sum(s.numel for s in tensor_plan(arch))
+
+
+def _generate(spec: TensorSpec, seed: int) -> np.ndarray:
+    """The tensor's values in float32, from a generator seeded by (seed, name)."""
+    name_key = int.from_bytes(hashlib.sha256(spec.name.encode()).digest()[:8], "little")
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, name_key])))
+    if spec.init == "normal":
+        x = rng.standard_normal(spec.shape, dtype=np.float32)
+        x *= np.float32(spec.std)
+        return x
+    if spec.init == "zero_norm":  # stored as an offset from 1 (the model computes x * (1 + w))
+        return rng.normal(0.0, 0.1, spec.shape).astype(np.float32)
+    if spec.init == "one_norm":
+        return rng.normal(1.0, 0.1, spec.shape).astype(np.float32)
+    if spec.init == "a_log":  # decays exp(-A * softplus(.)) spread from ~0.05 to ~0.95
+        return np.log(rng.uniform(0.05, 2.0, spec.shape)).astype(np.float32)
+    if spec.init == "dt_bias":
+        return rng.normal(1.0, 0.1, spec.shape).astype(np.float32)
+    raise ValueError(f"unknown init {spec.init!r}")
+
+
+def _to_dtype_bytes(x: np.ndarray, dtype: str) -> bytes:
+    if dtype == "float32":
+        return x.astype("<f4", copy=False).tobytes()
+    if dtype == "float16":
+        return x.astype("<f2").tobytes()
+    # bfloat16: round to nearest even on the top 16 bits of the float32 pattern
+    u = x.astype("<f4", copy=False).view("<u4")
+    u = (u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) >> 16
+    return u.astype("<u2").tobytes()
+
+
+def _write_shard(path: Path, specs: list[TensorSpec], dtype: str, seed: int, meta: dict, on_tensor):
+    """Stream one safetensors file: header first (all sizes are known), then each tensor."""
+    code, itemsize = _DTYPES[dtype]
+    header, offset = {"__metadata__": meta}, 0
+    for s in specs:
+        header[s.name] = {
+            "dtype": code,
+            "shape": list(s.shape),
+            "data_offsets": [offset, offset + s.numel * itemsize],
+        }
+        offset += s.numel * itemsize
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for s in specs:
+            f.write(_to_dtype_bytes(_generate(s, seed), dtype))
+            on_tensor(s)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def hf_config(entry: ModelEntry, dtype: str) -> dict:
+    """config.json as Qwen3.5 ships it: `qwen3_5` (or `qwen3_5_moe`) with a `text_config`."""
+    a = entry.arch
+    moe = "_moe" if a.is_moe else ""
+    text = {
+        "model_type": f"qwen3_5{moe}_text",
+        "hidden_size": a.hidden_size,
+        "num_hidden_layers": a.num_hidden_layers,
+        "num_attention_heads": a.num_attention_heads,
+        "num_key_value_heads": a.num_key_value_heads,
+        "head_dim": a.head_dim,
+        "vocab_size": a.vocab_size,
+        "linear_num_key_heads": a.linear_num_key_heads,
+        "linear_num_value_heads": a.linear_num_value_heads,
+        "linear_key_head_dim": a.linear_key_head_dim,
+        "linear_value_head_dim": a.linear_value_head_dim,
+        "linear_conv_kernel_dim": a.linear_conv_kernel_dim,
+        "full_attention_interval": a.full_attention_interval,
+        "layer_types": a.layer_types,
+        "max_position_embeddings": a.max_position_embeddings,
+        "rms_norm_eps": a.rms_norm_eps,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": a.rope_theta,
+            "partial_rotary_factor": a.partial_rotary_factor,
+            "mrope_section": list(a.mrope_section),
+            "mrope_interleaved": True,
+        },
+        "tie_word_embeddings": a.tie_word_embeddings,
+        "attn_output_gate": True,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "initializer_range": INIT_RANGE,
+        "eos_token_id": 248044,
+        "use_cache": True,
+        "dtype": dtype,
+    }
+    if a.is_moe:
+        text |= {
+            "num_experts": a.num_experts,
+            "num_experts_per_tok": a.num_experts_per_tok,
+            "moe_intermediate_size": a.moe_intermediate_size,
+            "shared_expert_intermediate_size": a.shared_expert_intermediate_size,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+    else:
+        text["intermediate_size"] = a.intermediate_size
+    return {
+        "architectures": [f"Qwen3_5{'Moe' if a.is_moe else ''}ForConditionalGeneration"],
+        "model_type": f"qwen3_5{moe}",
+        "text_config": text,
+        "tie_word_embeddings": a.tie_word_embeddings,
+        "image_token_id": 248056,
+        "video_token_id": 248057,
+        "vision_start_token_id": 248053,
+        "vision_end_token_id": 248054,
+    }
+
+
+def build(
+    entry: ModelEntry,
+    out: str | os.PathLike,
+    *,
+    seed: int | None = None,
+    dtype: str | None = None,
+    progress: bool = False,
+) -> Path:
+    """Write `entry` as a checkpoint folder at `out` (replaced if it exists); returns the path."""
+    seed = entry.seed if seed is None else seed
+    dtype = dtype or entry.dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    out = Path(out)
+    work = out.with_name(out.name + ".building")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+
+    specs, itemsize = tensor_plan(entry.arch), _DTYPES[dtype][1]
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for s in specs:
+        if shards[-1] and size + s.numel * itemsize > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(s)
+        size += s.numel * itemsize
+
+    total, done, start = sum(s.numel for s in specs), 0, time.monotonic()
+
+    def on_tensor(s: TensorSpec) -> None:
+        nonlocal done
+        done += s.numel
+        if progress:
+            pct = 100 * done / total
+            sys.stderr.write(
+                f"\rbuilding {entry.name}: {pct:5.1f}% ({time.monotonic() - start:.0f} s)"
+            )
+            sys.stderr.flush()
+
+    meta = {"format": "pt", "chatml_model": entry.name, "chatml_seed": str(seed)}
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+    ]  # fmt: skip
+    for name, shard in zip(names, shards):
+        _write_shard(work / name, shard, dtype, seed, meta, on_tensor)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": total * itemsize},
+            "weight_map": {s.name: n for n, sh in zip(names, shards) for s in sh},
+        }
+        (work / "model.safetensors.index.json").write_bytes(dump_json(index))
+    if progress:
+        sys.stderr.write("\n")
+
+    (work / "config.json").write_bytes(dump_json(hf_config(entry, dtype)))
+    (work / "generation_config.json").write_bytes(
+        dump_json({"eos_token_id": [248046, 248044], "pad_token_id": 248044})
+    )
+    (work / "tokenizer_config.json").write_bytes(dump_json(tokenizer_config(entry.context_window)))
+    shutil.copyfile(tokenizer_json(), work / "tokenizer.json")
+    shutil.copyfile(TEMPLATES / f"{entry.template}.jinja", work / "chat_template.jinja")
+
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(work, out)
+    return out

@@ -1,0 +1,105 @@
+"""Per-layer caches behind one protocol.
+
+- `KVCache` (full-attention layers): keys and values of every position seen. Trimmable: moving
+  the offset back forgets the tail, so a snapshot never needs to copy it.
+- `RecurrentCache` (Gated DeltaNet layers): the conv tail and the delta state after the last
+  position. Fixed size and NOT trimmable: the only way back is to restore a saved copy.
+
+Both expose `offset`, `nbytes`, `snapshot()` and `restore(snap)`. MLX arrays are immutable
+values and `RecurrentCache` only ever rebinds its fields, so a snapshot is a pair of references
+and costs nothing until the live cache moves on. `KVCache` writes into a preallocated buffer in
+place, so its snapshot is just the offset (the rows before it are never overwritten while the
+offset stays at or beyond it).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+KV_STEP = 256  # grow the KV buffer in blocks of this many positions
+
+
+class KVCache:
+    is_trimmable = True
+
+    def __init__(self):
+        self.keys: mx.array | None = None  # [B, Hkv, capacity, D]
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    def update(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Append k, v `[B, Hkv, T, D]`; return all keys and values up to the new offset."""
+        B, H, T, D = k.shape
+        end = self.offset + T
+        if self.keys is None or end > self.keys.shape[2]:
+            capacity = ((end + KV_STEP - 1) // KV_STEP) * KV_STEP
+            new_k = mx.zeros((B, H, capacity, D), dtype=k.dtype)
+            new_v = mx.zeros((B, H, capacity, v.shape[-1]), dtype=v.dtype)
+            if self.keys is not None and self.offset:
+                new_k[:, :, : self.offset] = self.keys[:, :, : self.offset]
+                new_v[:, :, : self.offset] = self.values[:, :, : self.offset]
+            self.keys, self.values = new_k, new_v
+        self.keys[:, :, self.offset : end] = k
+        self.values[:, :, self.offset : end] = v
+        self.offset = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def trim(self, n: int) -> int:
+        n = min(n, self.offset)
+        self.offset -= n
+        return n
+
+    def snapshot(self) -> int:
+        return self.offset
+
+    def restore(self, offset: int) -> None:
+        if offset > self.offset:
+            raise ValueError(f"cannot restore KV to {offset}: only {self.offset} positions kept")
+        self.offset = offset
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array] | None:
+        if self.keys is None:
+            return None
+        return self.keys[:, :, : self.offset], self.values[:, :, : self.offset]
+
+    def load_state(self, keys: mx.array, values: mx.array) -> None:
+        self.keys, self.values, self.offset = None, None, 0
+        if keys.shape[2]:
+            self.update(keys, values)
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+
+class RecurrentCache:
+    is_trimmable = False
+
+    def __init__(self):
+        self.conv: mx.array | None = None  # [B, K-1, C]
+        self.state: mx.array | None = None  # [B, Hv, Dv, Dk] float32
+        self.offset = 0
+
+    def update(self, conv: mx.array, state: mx.array, n: int) -> None:
+        self.conv, self.state = conv, state  # rebind, never write in place: snapshots share
+        self.offset += n
+
+    def snapshot(self) -> tuple[mx.array | None, mx.array | None, int]:
+        return self.conv, self.state, self.offset
+
+    def restore(self, snap: tuple[mx.array | None, mx.array | None, int]) -> None:
+        self.conv, self.state, self.offset = snap
+
+    def load_state(self, conv: mx.array | None, state: mx.array | None, offset: int) -> None:
+        self.restore((conv, state, offset))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.conv, self.state) if a is not None)
+
+
+def snapshot_nbytes(snap: tuple[mx.array | None, mx.array | None, int]) -> int:
+    return sum(a.nbytes for a in snap[:2] if a is not None)

@@ -1,0 +1,76 @@
+"""`Engine`: one loaded model (weights, tokenizer, registry entry) shared by its sessions."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from .loader import Checkpoint, inspect, load_tokenizer, load_weights, resolve
+from .model import ModelOptions, Qwen35
+from .registry import ModelEntry
+from .snapshot import CacheBudget
+from .tokenizer import Tokenizer
+
+_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def backend() -> str:
+    """'gpu' when MLX computes on a GPU (Metal or CUDA), else 'cpu'."""
+    return "gpu" if mx.default_device() == mx.gpu else "cpu"
+
+
+@dataclass
+class Engine:
+    model: Qwen35
+    tokenizer: Tokenizer
+    entry: ModelEntry
+    checkpoint: Checkpoint
+    dtype: mx.Dtype
+    stop_ids: tuple[int, ...] = field(default=())
+    budget: CacheBudget = field(default_factory=CacheBudget)
+    # One computation on the model at a time (sessions, warm-up, the server's worker).
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    @property
+    def path(self) -> Path:
+        return self.checkpoint.path
+
+    @property
+    def fingerprint(self) -> str:
+        return self.checkpoint.fingerprint
+
+    def session(self, system: str | None = None, **options):
+        """A conversation on this engine (see `engine.session.Session`)."""
+        from .session import Session
+
+        return Session(self, system=system, **options)
+
+
+def load(
+    model: str | os.PathLike = "tiny",
+    *,
+    dtype: str | None = None,
+    chunked_delta: bool = True,
+    cache_bytes: int | None = None,
+) -> Engine:
+    """Load a model: a models.yaml alias, a local checkpoint folder, or a Hub id.
+
+    `"tiny"` is built on first use (offline, deterministic) under CHATML_HOME. Hub ids go
+    through the ordinary Hugging Face client and its cache (needs network the first time).
+    `dtype` overrides the registry's compute dtype for this backend (float32 on CPUs).
+    `cache_bytes` bounds all sessions' caches and snapshots (default: a quarter of RAM).
+    """
+    path, entry = resolve(model)
+    ckpt = inspect(path, entry)
+    name = dtype or ckpt.entry.compute_dtype.get(backend(), "float32")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
+    net = Qwen35(ckpt.entry.arch, ModelOptions(chunked_delta=chunked_delta))
+    load_weights(ckpt, net, _DTYPES[name])
+    tok = load_tokenizer(path)
+    stops = tuple(tok.token_id(t) for t in ckpt.entry.stop_tokens)
+    return Engine(net, tok, ckpt.entry, ckpt, _DTYPES[name], stops, CacheBudget(cache_bytes))

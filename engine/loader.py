@@ -1,0 +1,274 @@
+"""Find, check and load a Qwen3.5 checkpoint: a registry alias, a local folder or a Hub id."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from . import registry
+from .paths import chatml_home
+from .registry import Architecture, ModelEntry
+from .tokenizer import Tokenizer
+
+SUPPORTED_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+BUILD_VERSION = 1  # bump when the builder's output changes: rebuilds cached embedded models
+TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be used; the message names the file and the problem."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    entry: ModelEntry
+    fingerprint: str  # identifies the weights: config, tensor headers and file sizes
+    quantization: dict | None
+
+
+def embedded_path(entry: ModelEntry) -> Path:
+    return chatml_home() / "models" / f"{entry.name}-seed{entry.seed}-v{BUILD_VERSION}"
+
+
+def resolve(model: str | os.PathLike) -> tuple[Path, ModelEntry | None]:
+    """Map an alias, a folder or a Hub id to a local folder (building embedded models)."""
+    name = str(model)
+    entries = registry.registry()
+    if name in entries:
+        entry = entries[name]
+        if entry.embedded:
+            path = embedded_path(entry)
+            if not (path / "config.json").exists():
+                from .builder import build
+
+                build(entry, path)
+            return path, entry
+        name = entry.hub
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith((".", "/", "~")) or os.sep in name and name.count("/") != 1:
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: no such checkpoint folder")
+        return path, None
+    if name.count("/") == 1:  # a Hub id: the ordinary Hub client, its cache, its network
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(name)), entries.get(str(model))
+        except Exception as e:  # offline, unknown repo, no access...
+            raise CheckpointError(
+                f"{name}: could not get it from the Hugging Face Hub ({e})"
+            ) from e
+    known = ", ".join(entries)
+    raise CheckpointError(f"{name!r} is neither a registry alias ({known}), a folder nor a Hub id")
+
+
+def _arch_from_config(text: dict, where: str) -> Architecture:
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    try:
+        layers = text["num_hidden_layers"]
+        return Architecture(
+            hidden_size=text["hidden_size"],
+            num_hidden_layers=layers,
+            num_attention_heads=text["num_attention_heads"],
+            num_key_value_heads=text["num_key_value_heads"],
+            head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
+            intermediate_size=text.get("intermediate_size", 0)
+            if not text.get("num_experts")
+            else 0,
+            vocab_size=text["vocab_size"],
+            linear_num_key_heads=text["linear_num_key_heads"],
+            linear_num_value_heads=text["linear_num_value_heads"],
+            linear_key_head_dim=text["linear_key_head_dim"],
+            linear_value_head_dim=text["linear_value_head_dim"],
+            linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
+            full_attention_interval=text.get("full_attention_interval", 4),
+            max_position_embeddings=text.get("max_position_embeddings", 262144),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 1e7))),
+            partial_rotary_factor=float(
+                rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+            ),
+            mrope_section=tuple(rope.get("mrope_section", (11, 11, 10))),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+            num_experts=text.get("num_experts", 0),
+            num_experts_per_tok=text.get("num_experts_per_tok", 0),
+            moe_intermediate_size=text.get("moe_intermediate_size", 0),
+            shared_expert_intermediate_size=text.get("shared_expert_intermediate_size", 0),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{where}: missing field {e.args[0]!r}") from None
+
+
+def _template_variant(path: Path) -> str | None:
+    """Which official template the folder ships (compared byte for byte), if any."""
+    for candidate in (path / "chat_template.jinja",):
+        if candidate.exists():
+            text = candidate.read_bytes()
+            for variant in registry.TEMPLATE_VARIANTS:
+                if (TEMPLATE_DIR / f"{variant}.jinja").read_bytes() == text:
+                    return variant
+    cfg = path / "tokenizer_config.json"
+    if cfg.exists():
+        text = json.loads(cfg.read_text()).get("chat_template")
+        for variant in registry.TEMPLATE_VARIANTS:
+            if isinstance(text, str) and (TEMPLATE_DIR / f"{variant}.jinja").read_text() == text:
+                return variant
+    return None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weight files")
+    return files
+
+
+def _safetensors_header(file: Path) -> bytes:
+    """The JSON header of a safetensors file, checked for the damage we can see cheaply."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100 << 20:
+            raise CheckpointError(f"{file}: corrupt safetensors header (length {n})")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(f"{file}: corrupt safetensors header (not JSON)") from None
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        raise CheckpointError(
+            f"{file}: safetensors file is {size} bytes, its header describes {8 + n + end}"
+        )
+    return raw
+
+
+def inspect(path: Path, entry: ModelEntry | None = None) -> Checkpoint:
+    """Read and check config.json and the weight files' headers; no weights are loaded."""
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_TYPES:
+        raise CheckpointError(
+            f"{cfg_file}: model_type {model_type!r} is not a Qwen3.5 model "
+            f"(expected one of {', '.join(SUPPORTED_TYPES)})"
+        )
+    text = config.get("text_config") or config
+    arch = _arch_from_config(text, str(cfg_file))
+    digest = hashlib.sha256(cfg_file.read_bytes())
+    for f in _weight_files(path):
+        digest.update(f.name.encode() + _safetensors_header(f) + str(f.stat().st_size).encode())
+    if not (path / "tokenizer.json").exists():
+        raise CheckpointError(f"{path}: no tokenizer.json")
+    variant = _template_variant(path)
+    if entry is None:
+        big = arch.hidden_size >= 2560
+        entry = ModelEntry(
+            name=path.name,
+            description=f"checkpoint at {path}",
+            hub=None,
+            mlx=(),
+            template=variant or ("qwen3.5" if big else "qwen3.5-small"),
+            thinking_default=variant != "qwen3.5-small" if variant else big,
+            context_window=arch.max_position_embeddings,
+            stop_tokens=("<|im_end|>", "<|endoftext|>"),
+            dtype=str(text.get("dtype") or text.get("torch_dtype") or "bfloat16"),
+            compute_dtype={"cpu": "float32", "gpu": "bfloat16"},
+            arch=arch,
+        )
+    else:
+        entry = replace(entry, arch=arch, template=variant or entry.template)
+    quant = config.get("quantization") or config.get("quantization_config")
+    return Checkpoint(path, entry, digest.hexdigest()[:16], quant)
+
+
+def load_weights(ckpt: Checkpoint, model, dtype) -> None:
+    """Load, sanitize, cast and (on the CPU) dequantize the weights into `model`."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from .model import sanitize
+
+    weights = {}
+    for f in _weight_files(ckpt.path):
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:
+            raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
+    weights = sanitize(weights, ckpt.entry.arch)
+    if ckpt.quantization:
+        q = ckpt.quantization
+        nn.quantize(
+            model,
+            group_size=q["group_size"],
+            bits=q["bits"],
+            mode=q.get("mode", "affine"),
+            class_predicate=lambda p, m: f"{p}.scales" in weights,
+        )
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        detail = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise CheckpointError(f"{ckpt.path}: weights do not match the config ({detail})")
+    for k, v in weights.items():
+        if v.shape != expected[k].shape:
+            raise CheckpointError(
+                f"{ckpt.path}: tensor {k} has shape {tuple(v.shape)}, config implies "
+                f"{tuple(expected[k].shape)}"
+            )
+        keep = k.endswith(("A_log", ".scales", ".biases")) or v.dtype == mx.uint32
+        if not keep:
+            weights[k] = v.astype(dtype)
+    model.load_weights(list(weights.items()), strict=True)
+    if ckpt.quantization and dtype == mx.float32:
+        dequantize(model, dtype)
+    mx.eval(model.parameters())
+
+
+def dequantize(model, dtype) -> None:
+    """Replace quantized layers by float ones: on the CPU only float32 matmuls use BLAS."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    def swap(_path, m):
+        if isinstance(m, nn.QuantizedLinear):
+            w = mx.dequantize(
+                m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode
+            )
+            lin = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+            lin.weight = w.astype(dtype)
+            if "bias" in m:
+                lin.bias = m.bias
+            return lin
+        if isinstance(m, nn.QuantizedEmbedding):
+            w = mx.dequantize(
+                m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode
+            )
+            emb = nn.Embedding(w.shape[0], w.shape[1])
+            emb.weight = w.astype(dtype)
+            return emb
+        return m
+
+    from mlx.utils import tree_map_with_path
+
+    leaves = tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module)
+    model.update_modules(leaves)
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    return Tokenizer.from_folder(path)

@@ -1,0 +1,272 @@
+"""The Qwen3.5 text model in MLX: Gated DeltaNet and gated-attention layers.
+
+Three of every four layers are Gated DeltaNet (a linear-attention recurrence with a fixed-size
+state); every fourth is full softmax attention with an output gate. Each layer reads and writes
+its own cache object (engine/cache.py), so the caller decides what is cached and when.
+
+Weights use our own layout: norms already include Qwen's `1 + w` offset and the depthwise
+conv weight is `[C, K]`; `sanitize` maps the Hub layout onto it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import KVCache, RecurrentCache
+from .registry import Architecture
+
+try:  # the chunked prefill kernel (kernels/); the sequential step is the fallback
+    from kernels import gated_delta as _chunked_gated_delta
+except ImportError:  # pragma: no cover - kernels/ is part of the package
+    _chunked_gated_delta = None
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    chunked_delta: bool = True  # use kernels.gated_delta for multi-token prefill
+
+
+def _rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return _rms_norm(x, self.weight, self.eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with the gated delta rule; its cache is (conv tail, delta state)."""
+
+    def __init__(self, a: Architecture, options: ModelOptions):
+        super().__init__()
+        self.hk, self.hv = a.linear_num_key_heads, a.linear_num_value_heads
+        self.dk, self.dv = a.linear_key_head_dim, a.linear_value_head_dim
+        self.kernel = a.linear_conv_kernel_dim
+        self.eps = a.rms_norm_eps
+        self.options = options
+        conv_dim = a.linear_conv_dim
+        self.in_proj_qkv = nn.Linear(a.hidden_size, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(a.hidden_size, self.hv * self.dv, bias=False)
+        self.in_proj_b = nn.Linear(a.hidden_size, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(a.hidden_size, self.hv, bias=False)
+        self.conv_weight = mx.zeros((conv_dim, self.kernel))  # depthwise, [C, K]
+        self.dt_bias = mx.ones((self.hv,))
+        self.A_log = mx.zeros((self.hv,))
+        self.norm = RMSNorm(self.dv, a.rms_norm_eps)
+        self.out_proj = nn.Linear(self.hv * self.dv, a.hidden_size, bias=False)
+
+    def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
+        B, T, _ = x.shape
+        qkv = self.in_proj_qkv(x)  # [B, T, C]
+        if cache.conv is None:
+            tail = mx.zeros((B, self.kernel - 1, qkv.shape[-1]), dtype=qkv.dtype)
+        else:
+            tail = cache.conv
+        window = mx.concatenate([tail, qkv], axis=1)  # [B, K-1+T, C]
+        # Depthwise causal conv as K shifted multiply-adds: cheaper than a grouped conv on CPU.
+        w = self.conv_weight.astype(qkv.dtype)
+        conv = window[:, 0:T] * w[:, 0]
+        for j in range(1, self.kernel):
+            conv = conv + window[:, j : j + T] * w[:, j]
+        conv = nn.silu(conv)
+
+        kd = self.hk * self.dk
+        q = conv[..., :kd].reshape(B, T, self.hk, self.dk)
+        k = conv[..., kd : 2 * kd].reshape(B, T, self.hk, self.dk)
+        v = conv[..., 2 * kd :].reshape(B, T, self.hv, self.dv)
+        # L2-normalize q and k (eps 1e-6 on the sum of squares), fold Dk^-1/2 into q.
+        inv = self.dk**-0.5
+        q = (inv * inv) * mx.fast.rms_norm(q, None, 1e-6 * inv * inv)
+        k = inv * mx.fast.rms_norm(k, None, 1e-6 * inv * inv)
+
+        a = self.in_proj_a(x).astype(mx.float32)
+        beta = mx.sigmoid(self.in_proj_b(x))  # [B, T, Hv]
+        g = mx.exp(-mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias))
+
+        state = cache.state
+        if state is None:
+            state = mx.zeros((B, self.hv, self.dv, self.dk), dtype=mx.float32)
+        if T > 1 and self.options.chunked_delta and _chunked_gated_delta is not None:
+            y, state = _chunked_gated_delta(q, k, v, g, beta, state)
+        else:
+            y, state = mx.fast.gated_delta_update(q, k, v, g, beta, state)
+        cache.update(window[:, -(self.kernel - 1) :], state, T)
+
+        z = self.in_proj_z(x).reshape(B, T, self.hv, self.dv)
+        y = _rms_norm(y, self.norm.weight, self.eps)
+        y = (nn.silu(z.astype(mx.float32)) * y.astype(mx.float32)).astype(x.dtype)
+        return self.out_proj(y.reshape(B, T, -1))
+
+
+class Attention(nn.Module):
+    """Grouped-query softmax attention with q/k norms, partial RoPE and a sigmoid output gate."""
+
+    def __init__(self, a: Architecture):
+        super().__init__()
+        self.nq, self.nkv, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.rotary = int(a.head_dim * a.partial_rotary_factor)
+        self.theta = a.rope_theta
+        self.q_proj = nn.Linear(a.hidden_size, 2 * self.nq * self.d, bias=False)
+        self.k_proj = nn.Linear(a.hidden_size, self.nkv * self.d, bias=False)
+        self.v_proj = nn.Linear(a.hidden_size, self.nkv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.nq * self.d, a.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, a.rms_norm_eps)
+        self.k_norm = RMSNorm(self.d, a.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+        B, T, _ = x.shape
+        q, gate = mx.split(self.q_proj(x).reshape(B, T, self.nq, 2 * self.d), 2, axis=-1)
+        q = self.q_norm(q).transpose(0, 2, 1, 3)  # [B, Hq, T, D]
+        k = self.k_norm(self.k_proj(x).reshape(B, T, self.nkv, self.d)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, T, self.nkv, self.d).transpose(0, 2, 1, 3)
+        # Text-only positions are equal in all three M-RoPE sections: plain RoPE on `rotary` dims.
+        q = mx.fast.rope(
+            q, self.rotary, traditional=False, base=self.theta, scale=1.0, offset=cache.offset
+        )
+        k = mx.fast.rope(
+            k, self.rotary, traditional=False, base=self.theta, scale=1.0, offset=cache.offset
+        )
+        k, v = cache.update(k, v)
+        y = mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=self.d**-0.5, mask="causal" if T > 1 else None
+        )
+        y = y.transpose(0, 2, 1, 3).reshape(B, T, -1)
+        return self.o_proj(y * mx.sigmoid(gate.reshape(B, T, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, dims: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dims, hidden, bias=False)
+        self.up_proj = nn.Linear(dims, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dims, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts plus one always-on shared expert (Qwen3.5-35B-A3B)."""
+
+    def __init__(self, a: Architecture):
+        super().__init__()
+        from mlx_lm.models.switch_layers import SwitchGLU
+
+        self.top_k = a.num_experts_per_tok
+        self.gate = nn.Linear(a.hidden_size, a.num_experts, bias=False)
+        self.switch_mlp = SwitchGLU(a.hidden_size, a.moe_intermediate_size, a.num_experts)
+        self.shared_expert = MLP(a.hidden_size, a.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
+        idx = mx.stop_gradient(
+            mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+        )
+        w = mx.take_along_axis(probs, idx, axis=-1)
+        w = (w / w.sum(axis=-1, keepdims=True)).astype(x.dtype)
+        y = (self.switch_mlp(x, idx) * w[..., None]).sum(axis=-2)
+        return y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: Architecture, kind: str, options: ModelOptions):
+        super().__init__()
+        self.is_linear = kind == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(a, options)
+        else:
+            self.self_attn = Attention(a)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = SparseMoE(a) if a.is_moe else MLP(a.hidden_size, a.intermediate_size)
+
+    def __call__(self, x: mx.array, cache) -> mx.array:
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        h = x + mixer(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen35(nn.Module):
+    """The text model. `__call__(ids, caches)` advances the caches and returns logits."""
+
+    def __init__(self, arch: Architecture, options: ModelOptions | None = None):
+        super().__init__()
+        self.arch = arch
+        options = options or ModelOptions()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = [DecoderLayer(arch, kind, options) for kind in arch.layer_types]
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        if not arch.tie_word_embeddings:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+
+    def make_caches(self) -> list[KVCache | RecurrentCache]:
+        return [RecurrentCache() if layer.is_linear else KVCache() for layer in self.layers]
+
+    def hidden(self, ids: mx.array, caches: list) -> mx.array:
+        """Run the layers on ids `[B, T]`; returns the final-normed hidden states `[B, T, H]`."""
+        x = self.embed_tokens(ids)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cache)
+        return self.norm(x)
+
+    def logits(self, h: mx.array) -> mx.array:
+        if self.arch.tie_word_embeddings:
+            return self.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def __call__(self, ids: mx.array, caches: list, *, last_only: bool = False) -> mx.array:
+        h = self.hidden(ids, caches)
+        return self.logits(h[:, -1:] if last_only else h)
+
+
+_NORM_SUFFIXES = (
+    "input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight",
+    "k_norm.weight",
+)  # fmt: skip
+
+
+def sanitize(weights: dict[str, mx.array], arch: Architecture) -> dict[str, mx.array]:
+    """Map checkpoint tensors (Hub, transformers text-only, or mlx-lm layout) onto ours."""
+    # The Hub layout stores the conv as [C, 1, K] and norms as offsets from 1; mlx-lm
+    # conversions store [C, K, 1] and the norms with the 1 already added.
+    hub_layout = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
+    out = {}
+    for key, value in weights.items():
+        if key.startswith(("model.visual", "vision_tower", "mtp.", "model.mtp")):
+            continue
+        for prefix in (
+            "model.language_model.",
+            "language_model.model.",
+            "language_model.",
+            "model.",
+        ):
+            if key.startswith(prefix):
+                key = key[len(prefix) :]
+                break
+        if key == "lm_head.weight" and arch.tie_word_embeddings:
+            continue
+        if key.endswith("conv1d.weight"):
+            key = key.replace("conv1d.weight", "conv_weight")
+            value = value[:, 0, :] if hub_layout else value[:, :, 0]
+        elif hub_layout and (key.endswith(_NORM_SUFFIXES) or key == "norm.weight"):
+            value = value + 1.0
+        if key.endswith("mlp.experts.gate_up_proj"):
+            mid = value.shape[-2] // 2
+            base = key[: -len("experts.gate_up_proj")] + "switch_mlp."
+            out[base + "gate_proj.weight"] = value[..., :mid, :]
+            out[base + "up_proj.weight"] = value[..., mid:, :]
+            continue
+        if key.endswith("mlp.experts.down_proj"):
+            key = key[: -len("experts.down_proj")] + "switch_mlp.down_proj.weight"
+        out[key] = value
+    return out

@@ -1,0 +1,218 @@
+"""The model registry: models.yaml read into validated dataclasses.
+
+Every entry names the real architecture numbers, the chat template variant and the stop
+tokens. Validation is strict: an unknown key or a missing field is an error that names the
+entry and the field, so a typo in models.yaml never silently becomes a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REGISTRY_PATH = Path(__file__).resolve().parent.parent / "models.yaml"
+TEMPLATE_VARIANTS = ("qwen3.5-small", "qwen3.5", "qwen3.6")
+
+
+class RegistryError(ValueError):
+    """models.yaml is malformed: names the entry and the field."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The text model's shape; the names are those of config.json's `text_config`."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    full_attention_interval: int
+    max_position_embeddings: int
+    rope_theta: float
+    partial_rotary_factor: float
+    mrope_section: tuple[int, ...]
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+
+    @property
+    def layer_types(self) -> list[str]:
+        every = self.full_attention_interval
+        return [
+            "full_attention" if (i + 1) % every == 0 else "linear_attention"
+            for i in range(self.num_hidden_layers)
+        ]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def linear_conv_dim(self) -> int:
+        key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+        return 2 * key_dim + self.linear_num_value_heads * self.linear_value_head_dim
+
+    def recurrent_state_bytes(self, itemsize: int = 4) -> int:
+        """Bytes of all Gated DeltaNet caches (conv tail + delta state) for one sequence."""
+        conv = (self.linear_conv_kernel_dim - 1) * self.linear_conv_dim
+        delta = self.linear_num_value_heads * self.linear_value_head_dim * self.linear_key_head_dim
+        n_linear = self.layer_types.count("linear_attention")
+        return n_linear * (conv + delta) * itemsize
+
+    def kv_bytes_per_token(self, itemsize: int = 4) -> int:
+        n_full = self.layer_types.count("full_attention")
+        return n_full * 2 * self.num_key_value_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    description: str
+    hub: str | None
+    mlx: tuple[str, ...]
+    template: str
+    thinking_default: bool
+    context_window: int
+    stop_tokens: tuple[str, ...]
+    dtype: str
+    compute_dtype: dict[str, str]
+    arch: Architecture
+    seed: int = 0
+
+    @property
+    def embedded(self) -> bool:
+        """True for models built here from seeded weights (no Hub repository)."""
+        return self.hub is None
+
+
+def _check_keys(where: str, given: dict, cls: type, defaults_ok: bool) -> None:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(given) - set(fields))
+    if unknown:
+        raise RegistryError(f"{where}: unknown field {unknown[0]!r}")
+    for name, f in fields.items():
+        has_default = f.default is not dataclasses.MISSING or (
+            f.default_factory is not dataclasses.MISSING
+        )
+        if name not in given and not (has_default and defaults_ok):
+            raise RegistryError(f"{where}: missing field {name!r}")
+
+
+def _typed(where: str, name: str, value: Any, kind: type) -> Any:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
+        raise RegistryError(
+            f"{where}: field {name!r} must be {kind.__name__}, got {type(value).__name__}"
+        )
+    return value
+
+
+_ARCH_TYPES = typing.get_type_hints(Architecture)
+
+
+def _parse_arch(where: str, raw: dict) -> Architecture:
+    _check_keys(where, raw, Architecture, defaults_ok=True)
+    values = {}
+    for name, value in raw.items():
+        if name == "mrope_section":
+            if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
+                raise RegistryError(f"{where}: field 'mrope_section' must be a list of ints")
+            values[name] = tuple(value)
+        else:
+            values[name] = _typed(where, name, value, _ARCH_TYPES[name])
+    arch = Architecture(**values)
+    if arch.linear_num_value_heads % arch.linear_num_key_heads:
+        raise RegistryError(
+            f"{where}: linear_num_value_heads must be a multiple of linear_num_key_heads"
+        )
+    if arch.num_attention_heads % arch.num_key_value_heads:
+        raise RegistryError(
+            f"{where}: num_attention_heads must be a multiple of num_key_value_heads"
+        )
+    rotary = int(arch.head_dim * arch.partial_rotary_factor)
+    if 2 * sum(arch.mrope_section) != rotary:
+        raise RegistryError(
+            f"{where}: mrope_section must sum to half the rotary dims ({rotary // 2})"
+        )
+    if arch.is_moe == (arch.intermediate_size > 0):
+        raise RegistryError(f"{where}: set exactly one of intermediate_size and num_experts")
+    return arch
+
+
+def parse_registry(doc: dict, source: str = "models.yaml") -> dict[str, ModelEntry]:
+    """Validate a parsed models.yaml document into entries keyed by name."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("models"), dict):
+        raise RegistryError(f"{source}: expected a mapping with a 'models' mapping")
+    unknown = sorted(set(doc) - {"defaults", "models"})
+    if unknown:
+        raise RegistryError(f"{source}: unknown top-level key {unknown[0]!r}")
+    defaults = dict(doc.get("defaults") or {})
+    entries = {}
+    for name, raw in doc["models"].items():
+        where = f"{source}: model {name!r}"
+        if not isinstance(raw, dict):
+            raise RegistryError(f"{where}: expected a mapping")
+        merged = {
+            **defaults,
+            **raw,
+            "arch": {**defaults.get("arch", {}), **(raw.get("arch") or {})},
+        }
+        _check_keys(where, {**merged, "name": name}, ModelEntry, defaults_ok=True)
+        if merged["template"] not in TEMPLATE_VARIANTS:
+            raise RegistryError(
+                f"{where}: field 'template' must be one of {', '.join(TEMPLATE_VARIANTS)}"
+            )
+        entries[name] = ModelEntry(
+            name=name,
+            description=_typed(where, "description", merged["description"], str),
+            hub=merged["hub"]
+            if merged["hub"] is None
+            else _typed(where, "hub", merged["hub"], str),
+            mlx=tuple(merged["mlx"]),
+            template=merged["template"],
+            thinking_default=_typed(where, "thinking_default", merged["thinking_default"], bool),
+            context_window=_typed(where, "context_window", merged["context_window"], int),
+            stop_tokens=tuple(merged["stop_tokens"]),
+            dtype=_typed(where, "dtype", merged["dtype"], str),
+            compute_dtype=dict(merged["compute_dtype"]),
+            arch=_parse_arch(f"{where} arch", merged["arch"]),
+            seed=_typed(where, "seed", merged.get("seed", 0), int),
+        )
+    return entries
+
+
+@lru_cache(maxsize=4)
+def _load(path: str) -> dict[str, ModelEntry]:
+    with open(path, encoding="utf-8") as f:
+        return parse_registry(yaml.safe_load(f), source=os.path.basename(path))
+
+
+def registry(path: str | os.PathLike | None = None) -> dict[str, ModelEntry]:
+    """All entries of models.yaml (`CHATML_MODELS` overrides the path)."""
+    return _load(str(path or os.environ.get("CHATML_MODELS") or REGISTRY_PATH))
+
+
+def get(name: str) -> ModelEntry:
+    entries = registry()
+    if name not in entries:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(entries)}")
+    return entries[name]

@@ -1,0 +1,31 @@
+"""Shared fixtures: one CHATML_HOME per test run, so `tiny` is built once and reused."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+# Set before any test imports engine: every build goes to a throwaway home for this run.
+os.environ.setdefault("CHATML_HOME", tempfile.mkdtemp(prefix="chatml-test-home-"))
+
+import engine  # noqa: E402,F401  (first: the fast BLAS must load before any test imports mlx)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """The embedded `tiny` engine, float32, loaded once per run."""
+
+    return engine.load("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_sequential():
+    """`tiny` with the sequential gated-delta path (the reference for the chunked kernel)."""
+
+    return engine.load("tiny", chunked_delta=False)

@@ -1,0 +1,71 @@
+"""The checkpoint builder: Hub layout, official names, determinism, dtypes."""
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from engine import registry
+from engine.builder import build, tensor_plan
+
+
+def _digest(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_build_is_deterministic_and_seed_dependent(tmp_path):
+    tiny = registry.get("tiny")
+    a = _digest(build(tiny, tmp_path / "a"))
+    b = _digest(build(tiny, tmp_path / "b"))
+    c = _digest(build(tiny, tmp_path / "c", seed=1))
+    assert a == b
+    assert set(a) == {"config.json", "generation_config.json", "model.safetensors",
+                      "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}  # fmt: skip
+    assert c["model.safetensors"] != a["model.safetensors"] and c["config.json"] == a["config.json"]
+
+
+def test_hub_layout_and_official_names(tmp_path):
+    entry = registry.get("tiny")
+    path = build(entry, tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_5" and cfg["text_config"]["model_type"] == "qwen3_5_text"
+    assert cfg["text_config"]["layer_types"] == entry.arch.layer_types
+    with safe_open(str(path / "model.safetensors"), "np") as f:
+        names = set(f.keys())
+        conv = f.get_tensor("model.language_model.layers.0.linear_attn.conv1d.weight")
+    assert "model.language_model.layers.3.self_attn.q_proj.weight" in names
+    assert "model.language_model.layers.0.linear_attn.A_log" in names
+    assert names == {s.name for s in tensor_plan(entry.arch)}
+    assert conv.shape == (entry.arch.linear_conv_dim, 1, 4)  # the Hub's [C, 1, K]
+    template = (registry.REGISTRY_PATH.parent / "engine/templates/qwen3.5-small.jinja").read_text()
+    assert (path / "chat_template.jinja").read_text() == template
+
+
+def test_bfloat16_rounds_like_mlx(tmp_path):
+    import mlx.core as mx
+
+    entry = registry.get("tiny")
+    f32 = mx.load(str(build(entry, tmp_path / "f32", dtype="float32") / "model.safetensors"))
+    bf16 = mx.load(str(build(entry, tmp_path / "bf16", dtype="bfloat16") / "model.safetensors"))
+    for name in ("model.language_model.embed_tokens.weight", "model.language_model.norm.weight"):
+        assert bf16[name].dtype == mx.bfloat16
+        assert mx.array_equal(f32[name].astype(mx.bfloat16), bf16[name])
+
+
+def test_unknown_dtype_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        build(registry.get("tiny"), tmp_path / "x", dtype="int8")
+
+
+@pytest.mark.parametrize("name", sorted(registry.registry()))
+def test_every_entry_has_a_consistent_plan(name):
+    arch = registry.get(name).arch
+    plan = tensor_plan(arch)
+    names = [s.name for s in plan]
+    assert len(names) == len(set(names))
+    assert ("lm_head.weight" in names) != arch.tie_word_embeddings
+    n_attn = sum(".self_attn.o_proj." in n for n in names)
+    assert n_attn == arch.layer_types.count("full_attention")
+    assert all(np.prod(s.shape) > 0 for s in plan)

@@ -1,0 +1,85 @@
+"""engine.load on aliases, folders, transformers-saved checkpoints and broken folders."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+
+import engine
+from engine.loader import CheckpointError
+
+
+@pytest.fixture
+def copy_of_tiny(tiny, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny.path, dst)
+    return dst
+
+
+def test_alias_and_folder_load_the_same_model(tiny):
+    again = engine.load(str(tiny.path))
+    assert again.fingerprint == tiny.fingerprint
+    assert again.entry.template == "qwen3.5-small"  # recognised from chat_template.jinja
+    assert tiny.stop_ids == (248046, 248044)
+    assert tiny.model.embed_tokens.weight.dtype == mx.float32
+
+
+def test_missing_folder():
+    with pytest.raises(CheckpointError, match="no such checkpoint folder"):
+        engine.load("./does/not/exist")
+
+
+def test_unknown_name():
+    with pytest.raises(CheckpointError, match="neither a registry alias"):
+        engine.load("no-such-model")
+
+
+def test_truncated_safetensors(copy_of_tiny):
+    f = copy_of_tiny / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:100_000])
+    with pytest.raises(CheckpointError, match="model.safetensors: safetensors file is"):
+        engine.load(str(copy_of_tiny))
+
+
+def test_garbage_safetensors(copy_of_tiny):
+    (copy_of_tiny / "model.safetensors").write_bytes(
+        b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!"
+    )
+    with pytest.raises(CheckpointError, match="corrupt safetensors header"):
+        engine.load(str(copy_of_tiny))
+
+
+def test_other_architecture(copy_of_tiny):
+    cfg = copy_of_tiny / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(CheckpointError, match="model_type 'llama' is not a Qwen3.5 model"):
+        engine.load(str(copy_of_tiny))
+
+
+def test_config_that_does_not_match_the_weights(copy_of_tiny):
+    cfg = json.loads((copy_of_tiny / "config.json").read_text())
+    cfg["text_config"]["intermediate_size"] = 96
+    (copy_of_tiny / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="has shape"):
+        engine.load(str(copy_of_tiny))
+
+
+def test_transformers_saved_checkpoint_loads(tiny, tmp_path):
+    torch = pytest.importorskip("torch", reason="saving with transformers needs torch==2.13.0")
+    import transformers.models.qwen3_5.modeling_qwen3_5 as hf
+
+    cfg = json.loads((tiny.path / "config.json").read_text())["text_config"]
+    config = hf.Qwen3_5TextConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    torch.manual_seed(0)
+    model = hf.Qwen3_5ForCausalLM(config).eval()
+    out = tmp_path / "hf"
+    model.save_pretrained(out)
+    shutil.copy(tiny.path / "tokenizer.json", out)
+    loaded = engine.load(str(out))
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_5_text"
+    ids = tiny.tokenizer.encode("<|im_start|>user\nhi there<|im_end|>\n")
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].numpy()
+    got = loaded.model(mx.array([ids]), loaded.model.make_caches())[0]
+    assert abs(mx.array(expected) - got).max().item() < 1e-4
