@@ -1,0 +1,54 @@
+"""An LRU cache from segment text to token ids."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+
+class SegmentCache:
+    """Small LRU mapping from a rendered segment's text to its token ids.
+
+    A long history is then tokenized once, not on every turn: only segments whose text is new
+    (the new user message, the previous answer as re-rendered without its think block) go
+    through `encode`. Keyed by text alone, so use one cache per tokenizer.
+    """
+
+    def __init__(self, maxsize: int = 1024) -> None:
+        if maxsize < 1:
+            raise ValueError("maxsize must be at least 1")
+        self.maxsize = maxsize
+        self.hits = 0
+        self.misses = 0
+        self._data: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+
+    def encode(self, encode: Callable[[str], list[int]], text: str) -> tuple[int, ...]:
+        """The ids of `text`, from the cache or from `encode` (then stored)."""
+        ids = self._data.get(text)
+        if ids is not None:
+            self.hits += 1
+            self._data.move_to_end(text)
+            return ids
+        self.misses += 1
+        ids = tuple(encode(text)) if text else ()
+        self._data[text] = ids
+        if len(self._data) > self.maxsize:
+            self._data.popitem(last=False)
+        return ids
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, text: object) -> bool:
+        return text in self._data
+
+    def copy(self) -> SegmentCache:
+        """A new cache with the same entries (e.g. to fork a conversation)."""
+        new = SegmentCache(self.maxsize)
+        new._data = self._data.copy()
+        return new
+
+    def clear(self) -> None:
+        """Forget every entry (and the hit/miss counts)."""
+        self._data.clear()
+        self.hits = self.misses = 0

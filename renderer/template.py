@@ -1,0 +1,287 @@
+"""The official Qwen3.5 / Qwen3.6 chat templates as plain Python.
+
+`render_parts` walks the messages exactly as the Jinja template does and returns the rendered
+text cut into pieces (system block, one piece per message, generation prompt), so that the
+window code can tokenize and cache each piece on its own. `render_messages` joins them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .content import (
+    UNDEFINED,
+    VisionCounter,
+    attr,
+    is_iterable_sequence,
+    render_content,
+    to_text,
+    tojson,
+)
+from .errors import RenderError
+from .variants import Variant, generation_think, get_variant
+
+TOOLS_PREAMBLE = "# Tools\n\nYou have access to the following functions:\n\n<tools>"
+TOOLS_INSTRUCTIONS = (
+    "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO "
+    "suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\n"
+    "value_1\n</parameter>\n<parameter=example_parameter_2>\nThis is the value for the second "
+    "parameter\nthat can span\nmultiple lines\n</parameter>\n</function>\n</tool_call>\n\n"
+    "<IMPORTANT>\nReminder:\n- Function calls MUST follow the specified format: an inner "
+    "<function=...></function> block must be nested within <tool_call></tool_call> XML tags\n"
+    "- Required parameters MUST be specified\n- You may provide optional reasoning for your "
+    "function call in natural language BEFORE the function call, but NOT after\n- If there is no "
+    "function call available, answer the question like normal with your current knowledge and "
+    "do not tell the user about function calls\n</IMPORTANT>"
+)
+ASSISTANT_HEAD = "<|im_start|>assistant\n"
+
+
+@dataclass
+class RenderedParts:
+    """A rendered prompt cut at the places the engine cares about.
+
+    ``header + "".join(messages) + generation_head + generation_think`` is the full text.
+    ``messages[i]`` is the text message i contributes ('' for a leading system message, whose
+    text lives in `header`).
+    """
+
+    header: str
+    messages: list[str]
+    generation_head: str
+    generation_think: str
+
+    @property
+    def text(self) -> str:
+        return self.header + "".join(self.messages) + self.generation_head + self.generation_think
+
+
+def _reasoning_field(message: Mapping) -> Any:
+    # transformers (render_jinja_template) aliases `thinking` and `reasoning` to
+    # `reasoning_content` before the template sees the message: the first one that is not None.
+    for key in ("reasoning_content", "thinking", "reasoning"):
+        value = message.get(key)
+        if value is not None:
+            return value
+    return UNDEFINED
+
+
+def _tool_schemas(tools: Any) -> list:
+    # render_jinja_template accepts JSON-schema dicts (or functions, which it converts; we do not).
+    if tools is None:
+        return []
+    schemas = []
+    try:
+        items = list(tools)
+    except TypeError:
+        raise RenderError("tools must be a list of JSON schema dicts", field="tools") from None
+    for i, tool in enumerate(items):
+        if not isinstance(tool, Mapping):
+            raise RenderError(
+                f"tools[{i}] is a {type(tool).__name__}, not a JSON schema dict", field="tools"
+            )
+        schemas.append(tool)
+    return schemas
+
+
+def _header(messages: Sequence, schemas: list, add_vision_id: bool) -> str:
+    first = messages[0]
+    has_system = attr(first, "role") == "system"
+    if schemas:
+        out = ["<|im_start|>system\n", TOOLS_PREAMBLE]
+        for tool in schemas:
+            out.append("\n")
+            out.append(tojson(tool, field="tools"))
+        out.append(TOOLS_INSTRUCTIONS)
+        if has_system:
+            content = render_content(
+                attr(first, "content"), 0, is_system=True, add_vision_id=add_vision_id
+            ).strip()
+            if content:
+                out.append("\n\n" + content)
+        out.append("<|im_end|>\n")
+        return "".join(out)
+    if has_system:
+        content = render_content(
+            attr(first, "content"), 0, is_system=True, add_vision_id=add_vision_id
+        ).strip()
+        return "<|im_start|>system\n" + content + "<|im_end|>\n"
+    return ""
+
+
+def _last_query_index(messages: Sequence, add_vision_id: bool) -> int:
+    # The last user message that is not itself a wrapped tool response.
+    for index in range(len(messages) - 1, -1, -1):
+        message = messages[index]
+        if attr(message, "role") == "user":
+            content = render_content(
+                attr(message, "content"), index, add_vision_id=add_vision_id
+            ).strip()
+            if not (content.startswith("<tool_response>") and content.endswith("</tool_response>")):
+                return index
+    raise RenderError("No user query found in messages.")
+
+
+def _tool_calls(message: Mapping, content: str, index: int, spec: Variant) -> str:
+    calls = attr(message, "tool_calls")
+    # A mapping (or an empty list) is silently ignored by the template.
+    if not calls or not is_iterable_sequence(calls):
+        return ""
+    out = []
+    for j, call in enumerate(calls):
+        function = attr(call, "function")
+        if function is not UNDEFINED:
+            call = function
+        name = attr(call, "name")
+        if not isinstance(name, str):
+            # `'<function=' + name`: Undefined or a non-string makes Jinja raise.
+            raise RenderError(
+                f"tool call name must be a string, got {type(name).__name__}",
+                index=index,
+                field=f"tool_calls[{j}].function.name",
+            )
+        if j == 0:
+            out.append(
+                "\n\n<tool_call>\n<function=" if content.strip() else "<tool_call>\n<function="
+            )
+        else:
+            out.append("\n<tool_call>\n<function=")
+        out.append(name + ">\n")
+        arguments = attr(call, "arguments")
+        if arguments is not UNDEFINED:
+            if not isinstance(arguments, Mapping):
+                # Jinja's `items` filter only takes mappings: a JSON string raises.
+                raise RenderError(
+                    f"tool call arguments must be a mapping, got {type(arguments).__name__}",
+                    index=index,
+                    field=f"tool_calls[{j}].function.arguments",
+                )
+            for key, value in arguments.items():
+                if not isinstance(key, str):
+                    raise RenderError(
+                        f"argument name {key!r} is not a string",
+                        index=index,
+                        field=f"tool_calls[{j}].function.arguments",
+                    )
+                out.append("<parameter=" + key + ">\n")
+                out.append(_argument_text(value, spec, index, j, key))
+                out.append("\n</parameter>\n")
+        out.append("</function>\n</tool_call>")
+    return "".join(out)
+
+
+def _argument_text(value: Any, spec: Variant, index: int, j: int, key: str) -> str:
+    field = f"tool_calls[{j}].function.arguments.{key}"
+    if isinstance(value, str):
+        return value
+    if spec.args_tojson_scalars:
+        # qwen3.6: everything but strings goes through tojson (true, null, 1.5, ...)
+        return tojson(value, index, field)
+    # qwen3.5: mappings and non-string sequences through tojson, scalars through str()
+    # (True -> "True", None -> "None").
+    if isinstance(value, (Mapping, list, tuple)):
+        return tojson(value, index, field)
+    return to_text(value)
+
+
+def _assistant(message: Mapping, content: str, index: int, with_think: bool, spec: Variant) -> str:
+    reasoning = _reasoning_field(message)
+    if not isinstance(reasoning, str):
+        reasoning = ""
+        if "</think>" in content:
+            reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            content = content.split("</think>")[-1].lstrip("\n")
+    reasoning = reasoning.strip()
+    if with_think:
+        text = ASSISTANT_HEAD + "<think>\n" + reasoning + "\n</think>\n\n" + content
+    else:
+        text = ASSISTANT_HEAD + content
+    return text + _tool_calls(message, content, index, spec) + "<|im_end|>\n"
+
+
+def render_parts(
+    messages: Sequence[Mapping],
+    *,
+    add_generation_prompt: bool = True,
+    enable_thinking: bool | None = None,
+    tools: Sequence[Mapping] | None = None,
+    preserve_thinking: bool | None = None,
+    variant: str = "qwen3.5",
+    add_vision_id: bool = False,
+) -> RenderedParts:
+    """Render like the official template, returning the text in pieces (see RenderedParts)."""
+    spec = get_variant(variant)
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise RenderError("messages must be a list of message dicts")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise RenderError(f"a message must be a dict, got {type(message).__name__}", index=i)
+    if not messages:
+        raise RenderError("No messages provided.")
+    schemas = _tool_schemas(tools)
+    header = _header(messages, schemas, add_vision_id)
+    last_query = _last_query_index(messages, add_vision_id)
+    keep_all_thinking = spec.preserve_thinking and preserve_thinking is True
+    counter = VisionCounter()
+    last = len(messages) - 1
+    texts: list[str] = []
+    for i, message in enumerate(messages):
+        content = render_content(
+            attr(message, "content"), i, counter=counter, add_vision_id=add_vision_id
+        ).strip()
+        role = attr(message, "role")
+        if role == "system":
+            if i != 0:
+                raise RenderError("System message must be at the beginning.", index=i, field="role")
+            texts.append("")
+        elif role == "user":
+            texts.append("<|im_start|>user\n" + content + "<|im_end|>\n")
+        elif role == "assistant":
+            with_think = keep_all_thinking or i > last_query
+            texts.append(_assistant(message, content, i, with_think, spec))
+        elif role == "tool":
+            # Consecutive tool results share one user turn. `loop.previtem` is falsy for the
+            # first message (and for an empty dict), so a leading tool message gets no header.
+            prev = messages[i - 1] if i > 0 else None
+            opens = bool(prev) and attr(prev, "role") != "tool"
+            closes = i == last or attr(messages[i + 1], "role") != "tool"
+            texts.append(
+                ("<|im_start|>user" if opens else "")
+                + "\n<tool_response>\n"
+                + content
+                + "\n</tool_response>"
+                + ("<|im_end|>\n" if closes else "")
+            )
+        else:
+            raise RenderError(f"Unexpected message role {to_text(role)!r}.", index=i, field="role")
+    if add_generation_prompt:
+        return RenderedParts(header, texts, ASSISTANT_HEAD, generation_think(spec, enable_thinking))
+    return RenderedParts(header, texts, "", "")
+
+
+def render_messages(
+    messages: Sequence[Mapping],
+    *,
+    add_generation_prompt: bool = True,
+    enable_thinking: bool | None = None,
+    tools: Sequence[Mapping] | None = None,
+    preserve_thinking: bool | None = None,
+    variant: str = "qwen3.5",
+    add_vision_id: bool = False,
+) -> str:
+    """Render `messages` to the prompt text, byte-identical to the official `variant` template.
+
+    Raises RenderError (a ValueError) on every input the template raises on, naming the
+    message index and the reason. `preserve_thinking` only matters for "qwen3.6".
+    """
+    return render_parts(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        enable_thinking=enable_thinking,
+        tools=tools,
+        preserve_thinking=preserve_thinking,
+        variant=variant,
+        add_vision_id=add_vision_id,
+    ).text
