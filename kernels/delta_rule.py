@@ -1,0 +1,166 @@
+"""Chunked (WY / UT-transform) gated delta rule in MLX ops, for prefill.
+
+Recurrence (per batch, value head; S: [Dv, Dk]), identical to ``mx.fast.gated_delta_update``:
+    S_t = g_t S_{t-1};  u_t = beta_t (v_t - S_t k_t);  S_t += u_t k_t^T;  y_t = S_t q_t
+
+Within a chunk of C steps starting from state S0, with b_t = sum_{r<=t} log g_r,
+Gamma_t = exp(b_t) and D[t, s] = exp(b_t - b_s) for s <= t (0 above the diagonal):
+    (I + A) U = diag(beta) V - diag(beta Gamma) K S0^T,  A[t, s] = beta_t D[t, s] k_t.k_s, s < t
+    Y = diag(Gamma) Q S0^T + (D * Q K^T) U
+    S_C = Gamma_{C-1} S0 + U^T diag(D[C-1, :]) K
+Everything except the small chunk-to-chunk recurrence runs for all chunks at once as
+batched matmuls, plus one unit lower-triangular inverse per chunk. Decays are taken as
+direct segment sums in log space (never ratios of cumulative products), so nothing
+overflows or loses precision when g is close to 0 or 1.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+
+from kernels.triangular import unit_lower_inverse
+
+CHUNK = 64
+# Below this many steps the sequential kernel wins (chunk setup costs more than it saves).
+# Measured on 2 x86 cores with OpenBLAS, 16 heads x 128 x 128: break-even near T = 8
+# (T=4: 6.0 vs 2.7 ms; T=8: 5.9 vs 5.6 ms; T=16: 6.3 vs 13.0 ms chunked vs sequential).
+MIN_CHUNKED_T = 16
+
+__all__ = ["CHUNK", "MIN_CHUNKED_T", "gated_delta"]
+
+
+def gated_delta(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array | None = None,
+    *,
+    method: str = "auto",
+    inverse: str = "auto",
+) -> tuple[mx.array, mx.array]:
+    """Gated delta rule over a sequence; same shapes and meaning as ``mx.fast.gated_delta_update``.
+
+    q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; g (decay in (0, 1)), beta: [B, T, Hv];
+    state: [B, Hv, Dv, Dk] (zeros if None). Hv must be a multiple of Hk: key head j serves
+    value heads j*r .. j*r+r-1 (r = Hv/Hk), as mlx-lm does. Returns ``(y [B, T, Hv, Dv]`` in
+    q's dtype, ``state [B, Hv, Dv, Dk]`` float32). Computation is float32 throughout.
+
+    ``method``:
+      - "chunked": this module's chunked algorithm (triangular inverse by LAPACK on the CPU,
+        by matmul-only blocked forward substitution on a GPU, see ``unit_lower_inverse``).
+      - "sequential": ``mx.fast.gated_delta_update`` (one step at a time).
+      - "auto": chunked for CPU prefill (T >= MIN_CHUNKED_T) when matmuls are fast (macOS
+        Accelerate, or a fast BLAS on Linux per ``kernels.blas.info()``); sequential for
+        decode and tiny prefills, with the reference BLAS (there chunked is ~0.8x, not a
+        win), and whenever the default device is a GPU, where ``mx.fast`` is a fused device
+        kernel that the chunked path has not been benchmarked against.
+    ``inverse``: how the chunked path inverts its triangular matrices ("auto", "lapack" or
+    "blocked"; see ``kernels.triangular.unit_lower_inverse``).
+    """
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    if Hv % Hk:
+        raise ValueError(f"Hv={Hv} must be a multiple of Hk={Hk}")
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    if method == "auto":
+        on_cpu = mx.default_device() == mx.cpu
+        method = "chunked" if on_cpu and T >= MIN_CHUNKED_T and _fast_matmul() else "sequential"
+    if method == "sequential":
+        y, state = mx.fast.gated_delta_update(q, k, v, g, beta, state.astype(mx.float32))
+        return y.astype(q.dtype), state.astype(mx.float32)
+    if method != "chunked":
+        raise ValueError(f"unknown method {method!r}")
+    return _chunked(q, k, v, g, beta, state, inverse)
+
+
+def _fast_matmul() -> bool:
+    if sys.platform == "darwin":
+        return True
+    from kernels import blas
+
+    return blas.info().fast
+
+
+def _segsum(a: mx.array) -> mx.array:
+    """seg[..., t, s] = sum_{s < r <= t} a[..., r] for s <= t, -inf above the diagonal.
+
+    Summed directly (masked cumsum) rather than as b_t - b_s, so small segments do not
+    inherit the rounding error of a long cumulative sum. a: [..., C] -> [..., C, C].
+    """
+    C = a.shape[-1]
+    lower = mx.tril(mx.ones((C, C), dtype=mx.bool_))
+    strict = mx.tril(mx.ones((C, C), dtype=mx.bool_), k=-1)
+    x = mx.where(strict, a[..., :, None], 0.0)  # x[t, s] = a_t for t > s
+    seg = mx.cumsum(x, axis=-2)
+    return mx.where(lower, seg, -mx.inf)
+
+
+def _chunked(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    inverse: str = "auto",
+) -> tuple[mx.array, mx.array]:
+    out_dtype = q.dtype
+    f32 = mx.float32
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    C = CHUNK
+    N = -(-T // C)
+    pad = N * C - T
+
+    q, k, v, g, beta = (x.astype(f32) for x in (q, k, v, g, beta))
+    if Hv > Hk:
+        q = mx.repeat(q, Hv // Hk, axis=2)
+        k = mx.repeat(k, Hv // Hk, axis=2)
+    a = mx.log(g)  # [B, T, Hv]
+    if pad:
+        # Padded steps are identities: k = 0, beta = 0 (no write), log g = 0 (no decay).
+        zpad = [(0, 0), (0, pad), (0, 0), (0, 0)]
+        q, k, v = mx.pad(q, zpad), mx.pad(k, zpad), mx.pad(v, zpad)
+        a, beta = mx.pad(a, zpad[:3]), mx.pad(beta, zpad[:3])
+
+    def chunks(x: mx.array) -> mx.array:  # [B, N*C, H, D] -> [B, H, N, C, D]
+        return x.reshape(B, N, C, Hv, -1).transpose(0, 3, 1, 2, 4)
+
+    q, k, v = chunks(q), chunks(k), chunks(v)  # [B, H, N, C, D]
+    a, beta = chunks(a)[..., 0], chunks(beta)[..., 0]  # [B, H, N, C]
+
+    decay = mx.exp(_segsum(a))  # D[t, s]: [B, H, N, C, C], 0 above the diagonal
+    gamma = mx.exp(mx.cumsum(a, axis=-1))  # Gamma_t: [B, H, N, C]
+    kt = k.swapaxes(-1, -2)  # [B, H, N, Dk, C]
+
+    # (I + A)^-1, one unit lower-triangular inverse per chunk.
+    strict = mx.tril(mx.ones((C, C), dtype=mx.bool_), k=-1)
+    attn_kk = mx.where(strict, beta[..., :, None] * decay * (k @ kt), 0.0)  # [B, H, N, C, C]
+    inv = unit_lower_inverse(attn_kk + mx.eye(C, dtype=f32), method=inverse)
+
+    w = inv @ (k * (beta * gamma)[..., None])  # [B, H, N, C, Dk]
+    u0 = inv @ (v * beta[..., None])  # [B, H, N, C, Dv]
+    attn_qk = decay * (q @ kt)  # [B, H, N, C, C], causal incl. the diagonal
+    # y = Gamma Q S0^T + P (u0 - w S0^T) = P u0 + (Gamma Q - P w) S0^T
+    q_eff = q * gamma[..., None] - attn_qk @ w  # [B, H, N, C, Dk]
+    y_intra = attn_qk @ u0  # [B, H, N, C, Dv]
+    k_dec = k * decay[..., -1, :, None]  # k_s exp(b_{C-1} - b_s): [B, H, N, C, Dk]
+    g_chunk = gamma[..., -1]  # total decay per chunk: [B, H, N]
+    # Stack w and q_eff so each chunk step needs one matmul against the state.
+    wq = mx.concatenate([w, q_eff], axis=-2)  # [B, H, N, 2C, Dk]
+
+    s = state.astype(f32)  # [B, H, Dv, Dk]
+    ys = []
+    for n in range(N):
+        r = wq[:, :, n] @ s.swapaxes(-1, -2)  # [B, H, 2C, Dv]
+        u = u0[:, :, n] - r[:, :, :C]  # [B, H, C, Dv]
+        ys.append(y_intra[:, :, n] + r[:, :, C:])
+        s = s * g_chunk[:, :, n, None, None] + u.swapaxes(-1, -2) @ k_dec[:, :, n]
+    y = mx.stack(ys, axis=2)  # [B, H, N, C, Dv]
+    y = y.transpose(0, 2, 3, 1, 4).reshape(B, N * C, Hv, Dv)[:, :T]
+    return y.astype(out_dtype), s

@@ -1,0 +1,131 @@
+"""kernels.gated_delta (chunked gated delta rule) against a float64 sequential recurrence."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run without an install
+
+import mlx.core as mx  # noqa: E402
+
+from kernels import gated_delta, gated_delta_reference, unit_lower_inverse  # noqa: E402
+
+TOL = 1e-5  # max abs error allowed, relative to the reference output's max abs value
+
+
+def make_inputs(
+    T: int,
+    *,
+    B: int = 1,
+    Hk: int = 2,
+    Hv: int = 2,
+    D: int = 32,
+    g_range: tuple[float, float] = (0.9, 1.0),
+    with_state: bool = False,
+    seed: int = 0,
+) -> list[mx.array | None]:
+    """Realistic inputs: q, k L2-normalized per head (q also scaled by D**-0.5 as the
+    model's normalize_qk does), beta in (0, 1), decays in g_range."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, Hk, D))
+    k = rng.standard_normal((B, T, Hk, D))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(D)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, T, Hv, D))
+    g = rng.uniform(*g_range, (B, T, Hv))
+    beta = rng.uniform(0.0, 1.0, (B, T, Hv))
+    state = rng.standard_normal((B, Hv, D, D)) * 0.5 if with_state else None
+    arrays = [mx.array(x.astype(np.float32)) for x in (q, k, v, g, beta)]
+    return [*arrays, None if state is None else mx.array(state.astype(np.float32))]
+
+
+def assert_close(inputs: list, **kwargs) -> None:
+    y_ref, s_ref = gated_delta_reference(*inputs)
+    y, s = gated_delta(*inputs, **kwargs)
+    assert y.dtype == inputs[0].dtype and s.dtype == mx.float32
+    assert y.shape == y_ref.shape and s.shape == s_ref.shape
+    err_y = np.abs(np.array(y, dtype=np.float64) - y_ref).max()
+    err_s = np.abs(np.array(s, dtype=np.float64) - s_ref).max()
+    assert err_y <= TOL * max(np.abs(y_ref).max(), 1e-30), err_y
+    assert err_s <= TOL * max(np.abs(s_ref).max(), 1e-30), err_s
+
+
+@pytest.mark.parametrize("T", [1, 2, 63, 64, 65, 1000, 4096])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("Hv", [2, 4])
+def test_chunked_matches_reference(T: int, with_state: bool, Hv: int) -> None:
+    assert_close(make_inputs(T, Hv=Hv, with_state=with_state), method="chunked")
+
+
+@pytest.mark.parametrize("T", [1, 8, 65])
+def test_auto_and_sequential_match_reference(T: int) -> None:
+    inputs = make_inputs(T, Hv=4, with_state=True, seed=1)
+    assert_close(inputs, method="auto")
+    assert_close(inputs, method="sequential")
+
+
+@pytest.mark.parametrize("g_range", [(1e-4, 1e-2), (0.2, 0.6), (0.999, 1.0), (1.0, 1.0)])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_extreme_decays(g_range: tuple[float, float], with_state: bool) -> None:
+    assert_close(make_inputs(300, g_range=g_range, with_state=with_state), method="chunked")
+
+
+def test_blocked_inverse_path_matches_reference() -> None:
+    # The matmul-only inverse used on GPUs, exercised on the CPU.
+    assert_close(make_inputs(200, Hv=4, with_state=True), method="chunked", inverse="blocked")
+
+
+def test_batch_and_bigger_heads() -> None:
+    assert_close(make_inputs(130, B=2, Hk=2, Hv=4, D=64, with_state=True), method="chunked")
+
+
+def test_bfloat16_inputs_return_bfloat16() -> None:
+    q, k, v, g, beta, state = make_inputs(100, with_state=True)
+    q, k, v = (x.astype(mx.bfloat16) for x in (q, k, v))
+    y, s = gated_delta(q, k, v, g, beta, state, method="chunked")
+    assert y.dtype == mx.bfloat16 and s.dtype == mx.float32
+    y_ref, s_ref = gated_delta_reference(q.astype(mx.float32), k, v, g, beta, state)
+    # Computed in float32; only the final cast of y to bfloat16 loses precision.
+    assert np.abs(np.array(y.astype(mx.float32)) - y_ref).max() <= 1e-2 * np.abs(y_ref).max()
+    assert np.abs(np.array(s) - s_ref).max() <= TOL * np.abs(s_ref).max()
+
+
+@pytest.mark.parametrize("inverse", ["lapack", "blocked"])
+def test_correlated_keys_stay_finite(inverse: str) -> None:
+    # Nearly identical keys and beta ~ 1 make I + A badly conditioned for series inverses.
+    rng = np.random.default_rng(3)
+    T, H, D = 256, 2, 32
+    base = rng.standard_normal(D)
+    k = base + 1e-4 * rng.standard_normal((1, T, H, D))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    q = k / np.sqrt(D)
+    v = rng.standard_normal((1, T, H, D))
+    g = np.ones((1, T, H))
+    beta = np.full((1, T, H), 0.999)
+    inputs = [mx.array(x.astype(np.float32)) for x in (q, k, v, g, beta)]
+    y, s = gated_delta(*inputs, method="chunked", inverse=inverse)
+    assert np.isfinite(np.array(y)).all() and np.isfinite(np.array(s)).all()
+    y_ref, _ = gated_delta_reference(*inputs)
+    assert np.abs(np.array(y) - y_ref).max() <= 1e-3 * np.abs(y_ref).max()
+
+
+@pytest.mark.parametrize("n", [5, 16, 64])
+def test_unit_lower_inverse_methods_agree(n: int) -> None:
+    rng = np.random.default_rng(n)
+    a = np.tril(rng.standard_normal((3, n, n)) * 0.3, -1) + np.eye(n)
+    ref = np.linalg.inv(a)
+    for method in ("lapack", "blocked"):
+        inv = np.array(unit_lower_inverse(mx.array(a.astype(np.float32)), method=method))
+        assert np.abs(inv - ref).max() <= 1e-4 * np.abs(ref).max(), method
+
+
+def test_rejects_bad_head_ratio() -> None:
+    q, k, v, g, beta, _ = make_inputs(4, Hk=2, Hv=2)
+    v3 = mx.concatenate([v, v[:, :, :1]], axis=2)
+    g3 = mx.concatenate([g, g[:, :, :1]], axis=2)
+    with pytest.raises(ValueError):
+        gated_delta(q, k, v3, g3, mx.concatenate([beta, beta[:, :, :1]], axis=2))
