@@ -1,0 +1,100 @@
+"""The generation loop shared by the Python API, the CLI, the server and the benchmarks.
+
+`prefill` feeds prompt ids through the model in chunks (evaluating the caches after each, so
+memory stays bounded and work can stop at a chunk boundary) and computes logits only for the
+last position. `decode` samples one token at a time until a stop token or the length limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import mlx.core as mx
+
+from .model import Qwen35
+from .sampling import Sampler
+
+PREFILL_CHUNK = 512
+
+
+def eval_caches(caches: list) -> None:
+    arrays = []
+    for c in caches:
+        for a in (getattr(c, "keys", None), getattr(c, "values", None),
+                  getattr(c, "conv", None), getattr(c, "state", None)):  # fmt: skip
+            if isinstance(a, mx.array):
+                arrays.append(a)
+    mx.eval(arrays)
+
+
+def chunk_ends(start: int, end: int, stops: Sequence[int], chunk: int = PREFILL_CHUNK) -> list[int]:
+    """Chunk end positions covering (start, end]: every stop in range, and at most `chunk` apart."""
+    marks = sorted({s for s in stops if start < s < end} | {end})
+    out, pos = [], start
+    for m in marks:
+        while m - pos > chunk:
+            pos += chunk
+            out.append(pos)
+        out.append(m)
+        pos = m
+    return out
+
+
+def prefill(
+    model: Qwen35,
+    caches: list,
+    ids: Sequence[int],
+    start: int,
+    *,
+    stops: Sequence[int] = (),
+    on_stop: Callable[[int], None] | None = None,
+    logits: bool = True,
+    cancelled: Callable[[], bool] | None = None,
+) -> tuple[mx.array | None, int]:
+    """Feed `ids[start:]`; call `on_stop(pos)` after reaching each position in `stops`.
+
+    Returns the logits `[V]` of the last position (None if `logits` is False or the work was
+    cancelled) and the position reached.
+    """
+    pos = start
+    ends = chunk_ends(start, len(ids), stops)
+    out = None
+    for end in ends:
+        if cancelled is not None and cancelled():
+            return None, pos
+        x = mx.array([ids[pos:end]])
+        if end == len(ids) and logits:
+            out = model(x, caches, last_only=True)[0, -1]
+            mx.eval(out)
+        else:
+            model.hidden(x, caches)  # no logits for positions nobody reads
+        eval_caches(caches)
+        pos = end
+        if on_stop is not None and pos in stops:
+            on_stop(pos)
+    return out, pos
+
+
+def decode(
+    model: Qwen35,
+    caches: list,
+    logits: mx.array,
+    sampler: Sampler,
+    *,
+    max_tokens: int,
+    stop_ids: Sequence[int],
+    history: list[int],
+) -> Iterator[int]:
+    """Yield sampled tokens; each non-stop token is fed back before the next is sampled.
+
+    The stop token is yielded (so callers can see why it ended) but never fed. `history`
+    (the prompt ids) is extended in place with the generated tokens for the repetition penalty.
+    """
+    for i in range(max_tokens):
+        token = sampler(logits, history).item()
+        history.append(token)
+        yield token
+        if token in stop_ids or i == max_tokens - 1:
+            return
+        logits = model(mx.array([[token]]), caches)[0, -1]
+        mx.async_eval(logits)

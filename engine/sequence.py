@@ -1,0 +1,173 @@
+"""A token sequence held in live caches, with snapshots along it: the unit of reuse.
+
+`CachedSequence.generate(ids, ...)` is the one place a prompt meets the model: it finds the
+longest prefix of `ids` the caches already hold, restores the deepest snapshot within it,
+prefills only the rest (snapshotting at the given positions), then decodes. A session owns one
+sequence; the server keeps a pool of them and routes each request to the best one.
+
+Gated DeltaNet state cannot be rewound, so every rewind goes through a snapshot; the attention
+KV cache is trimmed to the same position. If generation fails or is abandoned, the sequence
+rolls back to its state before the call (or to a snapshot of it), never to an invalid one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from . import snapshot
+from .generate import decode, prefill
+from .sampling import Sampler
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass
+class _Undo:
+    tokens: list[int]
+    snapshots: dict
+    live: snapshot.Snapshot | None
+    restored_at: int | None = None
+
+
+@dataclass
+class Progress:
+    """Filled in by `generate` as it goes: positions and timings of the call."""
+
+    reused: int = 0
+    prefilled: int = 0
+    prefill_s: float = 0.0
+    first_token_at: float | None = None
+    decode_s: float = 0.0
+    finish: str = "length"
+    tokens: list[int] = field(default_factory=list)  # generated, without the stop token
+    undo: _Undo | None = None  # the state before the call, for a caller's later rollback
+
+
+class CachedSequence:
+    def __init__(self, engine):
+        self.engine = engine
+        self.tokens: list[int] = []  # exactly the ids the live caches have consumed
+        self.caches = engine.model.make_caches()
+        self.snapshots: dict[int, snapshot.Snapshot] = {}
+        self.last_used = time.monotonic()
+        engine.budget.register(self)
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.live_bytes + sum(s.nbytes for s in self.snapshots.values())
+
+    def drop_cache(self) -> None:
+        self.tokens, self.snapshots = [], {}
+        self.caches = self.engine.model.make_caches()
+
+    def reusable(self, ids: Sequence[int]) -> int:
+        """How many leading tokens of `ids` this sequence could restore without compute."""
+        target = min(common_prefix(self.tokens, ids), len(ids) - 1)
+        if len(self.tokens) <= target:
+            return len(self.tokens)
+        return max((p for p in self.snapshots if p <= target), default=0)
+
+    def generate(
+        self,
+        ids: list[int],
+        *,
+        stops: Iterable[int],
+        sampler: Sampler,
+        max_tokens: int,
+        progress: Progress,
+    ) -> Iterator[int]:
+        """Yield generated token ids (stop token excluded); snapshot at `stops` on the way."""
+        engine = self.engine
+        with engine.lock:
+            undo = progress.undo = _Undo(list(self.tokens), dict(self.snapshots), self._live())
+            try:
+                progress.reused = undo.restored_at = self._restore(ids)
+                progress.prefilled = len(ids) - progress.reused
+                t = time.perf_counter()
+                stops = sorted({p for p in stops if 0 < p <= len(ids)} | {len(ids)})
+                logits, _ = prefill(
+                    engine.model, self.caches, ids, progress.reused, stops=stops,
+                    on_stop=self._snapshot,
+                )  # fmt: skip
+                self.tokens = list(ids)
+                progress.prefill_s = time.perf_counter() - t
+                history = list(ids)
+                for token in decode(
+                    engine.model, self.caches, logits, sampler,
+                    max_tokens=max_tokens, stop_ids=engine.stop_ids, history=history,
+                ):  # fmt: skip
+                    now = time.perf_counter()
+                    if progress.first_token_at is None:
+                        progress.first_token_at, t = now, now
+                    if token in engine.stop_ids:
+                        progress.finish = "stop"
+                        break
+                    progress.tokens.append(token)
+                    yield token
+                progress.decode_s = time.perf_counter() - t
+                # The caches hold every generated token but the last one (never fed back).
+                done = progress.tokens
+                self.tokens += done if progress.finish == "stop" else done[:-1]
+            except BaseException:
+                self.rollback(undo)
+                engine.budget.enforce(active=self)
+                raise
+            self.last_used = time.monotonic()
+            engine.budget.enforce(active=self)
+
+    def rollback(self, undo: _Undo) -> None:
+        """Return to the state recorded in `undo`, or to a snapshot of it.
+
+        If the failed work went on from the old live position, nothing before the old end was
+        rewritten and the old live state comes back whole. If it rewound to a snapshot at p,
+        the cache above p now holds other tokens: the sequence resumes from p, with the
+        snapshots at or below it. Either way the next call sees a valid cache.
+        """
+        p = undo.restored_at
+        if p is None or p == len(undo.tokens):
+            if undo.live is not None:
+                snapshot.restore(self.caches, undo.live)
+            else:
+                self.caches = self.engine.model.make_caches()
+            self.tokens, self.snapshots = undo.tokens, undo.snapshots
+            return
+        self.snapshots = {q: s for q, s in undo.snapshots.items() if q <= p}
+        if p:
+            snapshot.restore(self.caches, self.snapshots[p])
+        else:
+            self.caches = self.engine.model.make_caches()
+        self.tokens = undo.tokens[:p]
+
+    def _live(self) -> snapshot.Snapshot | None:
+        return snapshot.take(self.caches, len(self.tokens)) if self.tokens else None
+
+    def _snapshot(self, pos: int) -> None:
+        self.snapshots[pos] = snapshot.take(self.caches, pos)
+        self.engine.budget.enforce(active=self)
+
+    def _restore(self, ids: list[int]) -> int:
+        """Bring the caches to the deepest reusable position of `ids`; returns it.
+
+        At least the last prompt token is always recomputed: its logits start the answer.
+        """
+        pos = self.reusable(ids)
+        if pos < len(self.tokens):
+            if pos:
+                snapshot.restore(self.caches, self.snapshots[pos])
+            else:
+                self.caches = self.engine.model.make_caches()
+        self.tokens = self.tokens[:pos]
+        self.snapshots = {p: s for p, s in self.snapshots.items() if p <= pos}
+        return pos

@@ -1,0 +1,236 @@
+"""A conversation: its history, the chat window, and one cached token sequence.
+
+Each turn renders the whole windowed prompt (the template re-renders earlier answers, and the
+window may drop the oldest exchange) and hands the ids to the session's `CachedSequence`, which
+reuses the longest cached prefix and prefills only the rest. Snapshots are taken at the
+renderer's ChatML boundaries: after the system block, at every message start, right after
+`<|im_start|>assistant\n` of every answer, and at the prompt's end. A turn that fails (an
+exception, Ctrl+C, a rejected answer, an abandoned stream) leaves the history as it was and
+the cache at its state before the turn, or at a snapshot of it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+
+from renderer import SegmentCache, build_prompt
+
+from .sampling import Sampler, SamplingParams
+from .sequence import CachedSequence, Progress
+from .tokenizer import StreamDecoder
+from .turn import Turn, TurnStats, parse_tool_calls, split_reasoning
+
+DEFAULT_MAX_TOKENS = 512
+
+
+class Session:
+    def __init__(
+        self,
+        engine,
+        system: str | None = None,
+        *,
+        max_exchanges: int = 6,
+        enable_thinking: bool | None = None,
+        preserve_thinking: bool | None = None,
+        tools: list[dict] | None = None,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        context_window: int | None = None,
+    ):
+        self.engine = engine
+        self.system = system
+        self.max_exchanges = max_exchanges
+        self.enable_thinking = enable_thinking
+        self.preserve_thinking = preserve_thinking
+        self.tools = tools
+        self.max_tokens = max_tokens
+        self.context_window = context_window or engine.entry.context_window
+        self.history: list[list[dict]] = []  # completed exchanges
+        self.pending: list[dict] = []  # the current exchange while tool calls are open
+        self.seq = CachedSequence(engine)
+        self.segments = SegmentCache()  # token ids of rendered segments, reused across turns
+        self.last_turn: Turn | None = None
+
+    # ----- public API -------------------------------------------------------------------
+
+    def send(self, text, **kwargs) -> Turn:
+        """Ask `text`; returns the finished Turn (see `stream` for the options)."""
+        return _last(self.stream(text, **kwargs))
+
+    def stream(
+        self,
+        text,
+        *,
+        max_tokens: int | None = None,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        tools: list[dict] | None = None,
+        validate: Callable[[Turn], None] | None = None,
+    ) -> Iterator[str | Turn]:
+        """Yield the answer's text pieces (valid UTF-8), then the Turn.
+
+        `validate(turn)` may raise to reject the answer: the turn is then rolled back like any
+        other failure. A new message while tool calls are open abandons them.
+        """
+        params = SamplingParams(temperature, top_p, top_k, min_p, repetition_penalty, seed=seed)
+        if tools is not None:
+            self.tools = tools
+        current = [{"role": "user", "content": text}]
+        return self._turn(current, params, max_tokens, validate, replace_pending=True)
+
+    def send_tool_results(self, results: Sequence, **kwargs) -> Turn:
+        return _last(self.stream_tool_results(results, **kwargs))
+
+    def stream_tool_results(self, results: Sequence, **kwargs) -> Iterator[str | Turn]:
+        """Answer the last turn's tool calls (strings, or dicts with `content`); continues the turn."""
+        if not self.pending:
+            raise ValueError("no tool calls are waiting for results")
+        if isinstance(results, (str, dict)) or not results:
+            raise ValueError("results must be a non-empty list of strings or dicts")
+        tool_msgs = []
+        for i, r in enumerate(results):
+            if isinstance(r, str):
+                r = {"content": r}
+            if not isinstance(r, dict) or not isinstance(r.get("content"), str):
+                raise ValueError(f"results[{i}] must be a string or a dict with string 'content'")
+            tool_msgs.append({"role": "tool", **r})
+        params = _params(kwargs)
+        return self._turn(
+            self.pending + tool_msgs, params, kwargs.get("max_tokens"), kwargs.get("validate"),
+            replace_pending=False,
+        )  # fmt: skip
+
+    def regenerate(self, **kwargs) -> Turn:
+        """Answer the last question again (rolls back to before it; restored on failure)."""
+        return self.edit_last(None, **kwargs)
+
+    def edit_last(self, text, **kwargs) -> Turn:
+        """Replace the last question by `text` (None keeps it) and answer it afresh."""
+        if not self.history:
+            raise ValueError("there is no exchange to redo")
+        last = self.history.pop()
+        try:
+            return self.send(last[0]["content"] if text is None else text, **kwargs)
+        except BaseException:
+            self.history.append(last)
+            raise
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays)."""
+        self.history, self.pending = [], []
+        self.seq.drop_cache()
+
+    @property
+    def messages(self) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return head + [m for ex in self.history for m in ex] + self.pending
+
+    @property
+    def tokens(self) -> list[int]:
+        """The ids the session's caches hold (prompt and answer of the last turn)."""
+        return self.seq.tokens
+
+    # ----- one turn ---------------------------------------------------------------------
+
+    def render(self, current: list[dict], max_tokens: int):
+        """The prompt for `current` after the history, windowed to fit `max_tokens` of output."""
+        return build_prompt(
+            self.engine.tokenizer.encode,
+            system=self.system,
+            history=self.history,
+            current=current,
+            max_exchanges=self.max_exchanges,
+            max_tokens=self.context_window - max_tokens,
+            variant=self.engine.entry.template,
+            enable_thinking=self.enable_thinking,
+            tools=self.tools,
+            preserve_thinking=self.preserve_thinking,
+            cache=self.segments,
+        )
+
+    def _turn(self, current, params, max_tokens, validate, replace_pending) -> Iterator:
+        # Everything that can reject the input runs here, before the generator starts, so a
+        # bad message raises at the call and touches nothing.
+        t0 = time.perf_counter()
+        max_tokens = self.max_tokens if max_tokens is None else max_tokens
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        prompt = self.render(current, max_tokens)
+        return self._run(prompt, current, Sampler(params), max_tokens, validate, t0)
+
+    def _run(self, prompt, current, sampler, max_tokens, validate, t0) -> Iterator:
+        b = prompt.boundaries
+        stops = {b.system_end, *b.message_starts, *b.assistant_starts, b.generation_start or 0}
+        progress = Progress()
+        detok, pieces = StreamDecoder(self.engine.tokenizer), []
+        with self.engine.lock:  # held across the yields: one computation on the model at a time
+            try:
+                for token in self.seq.generate(
+                    prompt.ids, stops=stops, sampler=sampler, max_tokens=max_tokens,
+                    progress=progress,
+                ):  # fmt: skip
+                    piece = detok.add(token)
+                    if piece:
+                        pieces.append(piece)
+                        yield piece
+                tail = detok.flush()
+                if tail:
+                    pieces.append(tail)
+                    yield tail
+                turn = self._make_turn(prompt, "".join(pieces), progress, t0)
+                if validate is not None:
+                    validate(turn)
+            except BaseException:
+                if progress.undo is not None:
+                    self.seq.rollback(progress.undo)
+                raise
+            self._record(current, turn)
+            self.last_turn = turn
+        yield turn
+
+    def _make_turn(self, prompt, raw: str, p: Progress, t0: float) -> Turn:
+        thinking = prompt.text.endswith("<think>\n")  # the generation prompt opened a think block
+        reasoning, answer = split_reasoning(raw, thinking)
+        content, calls, error = parse_tool_calls(answer)
+        n = len(p.tokens)
+        stats = TurnStats(
+            prompt_tokens=len(prompt.ids),
+            reused_tokens=p.reused,
+            prefilled_tokens=p.prefilled,
+            generated_tokens=n,
+            dropped_exchanges=prompt.dropped,
+            ttft_s=(p.first_token_at - t0) if p.first_token_at else 0.0,
+            prefill_s=p.prefill_s,
+            decode_s=p.decode_s,
+            prefill_tps=p.prefilled / p.prefill_s if p.prefill_s > 0 else 0.0,
+            decode_tps=(n - 1) / p.decode_s if p.decode_s > 0 and n > 1 else 0.0,
+            cache_bytes=self.seq.cache_bytes,
+        )
+        return Turn(content, reasoning, list(prompt.ids), list(p.tokens), stats, p.finish,
+                    calls, error)  # fmt: skip
+
+    def _record(self, current: list[dict], turn: Turn) -> None:
+        exchange = current + [turn.message()]
+        if turn.tool_calls:
+            self.pending = exchange  # the exchange goes on with the tool results
+        else:
+            self.pending = []
+            self.history.append(exchange)
+
+
+def _params(kwargs: dict) -> SamplingParams:
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+    unknown = set(kwargs) - set(names) - {"max_tokens", "validate"}
+    if unknown:
+        raise TypeError(f"unexpected option {sorted(unknown)[0]!r}")
+    return SamplingParams(**{k: kwargs[k] for k in names if k in kwargs})
+
+
+def _last(stream: Iterator):
+    """Run a turn's stream to the end; its last item is the Turn."""
+    return deque(stream, maxlen=1)[0]

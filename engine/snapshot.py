@@ -1,0 +1,99 @@
+"""Snapshots of a session's caches at token positions, and the byte budget over all of them.
+
+A snapshot at position p holds the recurrent caches' (conv, state) as of p and nothing for the
+KV caches: while the live KV cache has not been rewound below p, trimming it back to p recovers
+exactly the keys and values of positions < p. So a snapshot stays valid until the session
+rewinds below it, and `Session` drops the ones above every rewind point.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import weakref
+from dataclasses import dataclass, field
+
+from .cache import KVCache, RecurrentCache
+
+_clock = itertools.count()  # global recency stamps for LRU across sessions
+
+
+@dataclass
+class Snapshot:
+    pos: int
+    layers: list  # per layer: RecurrentCache.snapshot() or None for KV layers
+    nbytes: int
+    last_used: int = field(default_factory=lambda: next(_clock))
+
+    def touch(self) -> None:
+        self.last_used = next(_clock)
+
+
+def take(caches: list, pos: int) -> Snapshot:
+    layers, nbytes = [], 0
+    for c in caches:
+        if isinstance(c, RecurrentCache):
+            if c.offset != pos:
+                raise ValueError(f"recurrent cache at {c.offset}, snapshot asked at {pos}")
+            layers.append(c.snapshot())
+            nbytes += c.nbytes
+        else:
+            layers.append(None)
+    return Snapshot(pos, layers, nbytes)
+
+
+def restore(caches: list, snap: Snapshot) -> None:
+    for c, s in zip(caches, snap.layers):
+        if isinstance(c, KVCache):
+            c.restore(snap.pos)
+        else:
+            c.restore(s)
+    snap.touch()
+
+
+def default_budget() -> int:
+    """A quarter of physical memory: room for the weights, the OS and the application."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+class CacheBudget:
+    """Engine-wide LRU over every session's snapshots and live caches, bounded in bytes.
+
+    Evicting a snapshot only costs a longer prefill later; when no snapshot is left, idle
+    sessions lose their live cache (they re-prefill their next prompt). The session being
+    served keeps its live cache: a single conversation larger than the budget still runs.
+    """
+
+    def __init__(self, max_bytes: int | None = None):
+        self.max_bytes = default_budget() if max_bytes is None else max_bytes
+        self._sessions: weakref.WeakSet = weakref.WeakSet()
+        self.evictions = 0
+
+    def register(self, session) -> None:
+        self._sessions.add(session)
+
+    def used(self) -> int:
+        return sum(s.cache_bytes for s in list(self._sessions))
+
+    def enforce(self, active=None) -> None:
+        used = self.used()
+        while used > self.max_bytes:
+            victims = [
+                (snap.last_used, s, pos)
+                for s in list(self._sessions)
+                for pos, snap in s.snapshots.items()
+            ]
+            if victims:
+                _, session, pos = min(victims, key=lambda v: v[0])
+                used -= session.snapshots.pop(pos).nbytes
+            else:
+                idle = [s for s in list(self._sessions) if s is not active and s.live_bytes]
+                if not idle:
+                    return
+                victim = min(idle, key=lambda s: s.last_used)
+                used -= victim.live_bytes
+                victim.drop_cache()
+            self.evictions += 1

@@ -1,0 +1,98 @@
+"""What one turn returns: the answer, its ids, the tool calls it made, and what it cost."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class TurnStats:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # restored from the cache
+    prefilled_tokens: int = 0  # computed after the message arrived
+    generated_tokens: int = 0
+    warm_tokens: int = 0  # computed ahead of time, while the user was typing
+    dropped_exchanges: int = 0  # left out of the window
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+    cache_bytes: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+
+    def to_message(self) -> dict:
+        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class Turn:
+    text: str  # the answer (without reasoning and tool-call markup)
+    reasoning: str | None
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated, without the stop token
+    stats: TurnStats
+    finish_reason: str  # "stop" or "length"
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_error: str | None = None  # malformed tool-call markup, reported not guessed
+
+    def message(self) -> dict:
+        """The assistant message this turn adds to the conversation."""
+        m: dict = {"role": "assistant", "content": self.text}
+        if self.reasoning:
+            m["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            m["tool_calls"] = [c.to_message() for c in self.tool_calls]
+        return m
+
+
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
+_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def split_reasoning(raw: str, thinking: bool) -> tuple[str | None, str]:
+    """(reasoning, answer) of generated text; with thinking on it starts inside <think>."""
+    if not thinking:
+        return None, raw.strip()
+    if "</think>" not in raw:
+        return raw.strip(), ""  # ran out of tokens while thinking
+    reasoning, _, answer = raw.partition("</think>")
+    return reasoning.strip(), answer.strip()
+
+
+def parse_tool_calls(answer: str) -> tuple[str, list[ToolCall], str | None]:
+    """Split the template's XML tool calls off an answer: (content, calls, error)."""
+    start = answer.find("<tool_call>")
+    if start < 0:
+        return answer, [], None
+    content, calls = answer[:start].strip(), []
+    blocks = _CALL.findall(answer[start:])
+    rest = _CALL.sub("", answer[start:]).strip()
+    if not blocks or rest:
+        return content, [], "unterminated or stray text around <tool_call> blocks"
+    for i, block in enumerate(blocks):
+        m = _FUNCTION.fullmatch(block)
+        if not m:
+            return content, [], f"tool call {i}: expected <function=NAME>...</function>"
+        name, body = m.group(1).strip(), m.group(2)
+        args = {}
+        for key, value in _PARAM.findall(body):
+            try:
+                args[key.strip()] = json.loads(value)
+            except json.JSONDecodeError:
+                args[key.strip()] = value
+        if _PARAM.sub("", body).strip():
+            return content, [], f"tool call {i} ({name}): text outside <parameter> blocks"
+        calls.append(ToolCall(name, args))
+    return content, calls, None
