@@ -87,8 +87,12 @@ class CachedSequence:
         sampler: Sampler,
         max_tokens: int,
         progress: Progress,
+        ignore_eos: bool = False,
     ) -> Iterator[int]:
-        """Yield generated token ids (stop token excluded); snapshot at `stops` on the way."""
+        """Yield generated token ids (stop token excluded); snapshot at `stops` on the way.
+
+        `ignore_eos` generates exactly `max_tokens` tokens (benchmarks: equal work per engine).
+        """
         engine = self.engine
         with engine.lock:
             undo = progress.undo = _Undo(list(self.tokens), dict(self.snapshots), self._live())
@@ -104,14 +108,15 @@ class CachedSequence:
                 self.tokens = list(ids)
                 progress.prefill_s = time.perf_counter() - t
                 history = list(ids)
+                stop_ids = () if ignore_eos else engine.stop_ids
                 for token in decode(
                     engine.model, self.caches, logits, sampler,
-                    max_tokens=max_tokens, stop_ids=engine.stop_ids, history=history,
+                    max_tokens=max_tokens, stop_ids=stop_ids, history=history,
                 ):  # fmt: skip
                     now = time.perf_counter()
                     if progress.first_token_at is None:
                         progress.first_token_at, t = now, now
-                    if token in engine.stop_ids:
+                    if token in stop_ids:
                         progress.finish = "stop"
                         break
                     progress.tokens.append(token)

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
-from renderer import SegmentCache, build_prompt
+from renderer import PromptTooLong, SegmentCache, build_prompt
 
 from .sampling import Sampler, SamplingParams
 from .sequence import CachedSequence, Progress
@@ -71,17 +71,19 @@ class Session:
         repetition_penalty: float = 1.0,
         tools: list[dict] | None = None,
         validate: Callable[[Turn], None] | None = None,
+        ignore_eos: bool = False,
     ) -> Iterator[str | Turn]:
         """Yield the answer's text pieces (valid UTF-8), then the Turn.
 
         `validate(turn)` may raise to reject the answer: the turn is then rolled back like any
-        other failure. A new message while tool calls are open abandons them.
+        other failure. A new message while tool calls are open abandons them. `ignore_eos`
+        always generates `max_tokens` tokens (for benchmarks).
         """
         params = SamplingParams(temperature, top_p, top_k, min_p, repetition_penalty, seed=seed)
         if tools is not None:
             self.tools = tools
         current = [{"role": "user", "content": text}]
-        return self._turn(current, params, max_tokens, validate, replace_pending=True)
+        return self._turn(current, params, max_tokens, validate, ignore_eos)
 
     def send_tool_results(self, results: Sequence, **kwargs) -> Turn:
         return _last(self.stream_tool_results(results, **kwargs))
@@ -102,7 +104,7 @@ class Session:
         params = _params(kwargs)
         return self._turn(
             self.pending + tool_msgs, params, kwargs.get("max_tokens"), kwargs.get("validate"),
-            replace_pending=False,
+            kwargs.get("ignore_eos", False),
         )  # fmt: skip
 
     def regenerate(self, **kwargs) -> Turn:
@@ -139,13 +141,22 @@ class Session:
 
     def render(self, current: list[dict], max_tokens: int):
         """The prompt for `current` after the history, windowed to fit `max_tokens` of output."""
+        budget = self.context_window - max_tokens
+        try:
+            return self._build(current, budget)
+        except PromptTooLong as e:
+            e.args = (f"{e} (context window {self.context_window} minus {max_tokens} tokens "
+                      f"reserved for the answer)",)  # fmt: skip
+            raise
+
+    def _build(self, current: list[dict], budget: int):
         return build_prompt(
             self.engine.tokenizer.encode,
             system=self.system,
             history=self.history,
             current=current,
             max_exchanges=self.max_exchanges,
-            max_tokens=self.context_window - max_tokens,
+            max_tokens=budget,
             variant=self.engine.entry.template,
             enable_thinking=self.enable_thinking,
             tools=self.tools,
@@ -153,7 +164,7 @@ class Session:
             cache=self.segments,
         )
 
-    def _turn(self, current, params, max_tokens, validate, replace_pending) -> Iterator:
+    def _turn(self, current, params, max_tokens, validate, ignore_eos) -> Iterator:
         # Everything that can reject the input runs here, before the generator starts, so a
         # bad message raises at the call and touches nothing.
         t0 = time.perf_counter()
@@ -161,9 +172,9 @@ class Session:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         prompt = self.render(current, max_tokens)
-        return self._run(prompt, current, Sampler(params), max_tokens, validate, t0)
+        return self._run(prompt, current, Sampler(params), max_tokens, validate, ignore_eos, t0)
 
-    def _run(self, prompt, current, sampler, max_tokens, validate, t0) -> Iterator:
+    def _run(self, prompt, current, sampler, max_tokens, validate, ignore_eos, t0) -> Iterator:
         b = prompt.boundaries
         stops = {b.system_end, *b.message_starts, *b.assistant_starts, b.generation_start or 0}
         progress = Progress()
@@ -172,7 +183,7 @@ class Session:
             try:
                 for token in self.seq.generate(
                     prompt.ids, stops=stops, sampler=sampler, max_tokens=max_tokens,
-                    progress=progress,
+                    progress=progress, ignore_eos=ignore_eos,
                 ):  # fmt: skip
                     piece = detok.add(token)
                     if piece:
@@ -225,7 +236,7 @@ class Session:
 
 def _params(kwargs: dict) -> SamplingParams:
     names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
-    unknown = set(kwargs) - set(names) - {"max_tokens", "validate"}
+    unknown = set(kwargs) - set(names) - {"max_tokens", "validate", "ignore_eos"}
     if unknown:
         raise TypeError(f"unexpected option {sorted(unknown)[0]!r}")
     return SamplingParams(**{k: kwargs[k] for k in names if k in kwargs})

@@ -47,7 +47,7 @@ class PromptTooLong(RenderError):
         self.generation_tokens = generation_tokens
         super().__init__(
             f"the prompt needs {needed} tokens without any history (system block {system_tokens}, "
-            f"current exchange {current_tokens}, generation prompt {generation_tokens}) but "
-            f"max_tokens is {max_tokens}; shorten the system prompt or the current message",
+            f"current exchange {current_tokens}, generation prompt {generation_tokens}) but the "
+            f"token budget is {max_tokens}; shorten the system prompt or the current message",
             where="prompt",
         )

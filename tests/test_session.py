@@ -1,0 +1,352 @@
+"""The session cache against independent references: a fresh full prefill and mlx-lm.
+
+Randomized conversation scripts exercise every turn shape (plain, thinking, window trimming,
+a small token budget, tool turns, regenerate, edit-last, failures, interrupts, eviction); at
+every turn the greedy tokens must equal a fresh full prefill of the same prompt ids and
+mlx-lm's generation, and the logits that start the answer must agree within 1e-4.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+
+import engine
+import engine.sequence as sequence_module
+from engine.sampling import Sampler
+
+MAX_TOKENS = 5
+QUESTIONS = [
+    "Hello! My order number is 48213.", "你好，今天天气怎么样？", "Tell me a story about a fox.",
+    "What is 17 times 23?", "Summarize the French revolution in one line. " * 3,
+    "请用中文解释一下量子计算。", "Code word: PELICAN. Remember it.", "ok", "Why is the sky blue? 🌌",
+    "List three prime numbers\nand explain.",
+]  # fmt: skip
+
+
+# ----- independent references ------------------------------------------------------------
+
+
+def fresh_greedy(eng, ids, max_tokens=MAX_TOKENS):
+    """Greedy decode after one full prefill on fresh caches: no session, no snapshots."""
+    caches = eng.model.make_caches()
+    logits = first = eng.model(mx.array([ids]), caches)[0, -1]
+    out = []
+    while len(out) < max_tokens:
+        token = mx.argmax(logits).item()
+        if token in eng.stop_ids:
+            break
+        out.append(token)
+        if len(out) < max_tokens:
+            logits = eng.model(mx.array([[token]]), caches)[0, -1]
+    return out, first
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_model(tiny):
+    from mlx_lm import load
+
+    return load(str(tiny.path))
+
+
+def mlx_lm_greedy(model_and_tok, ids, max_tokens=MAX_TOKENS):
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tok = model_and_tok
+    out = []
+    for r in stream_generate(model, tok, prompt=ids, max_tokens=max_tokens,
+                             sampler=make_sampler(temp=0.0)):  # fmt: skip
+        if r.finish_reason != "stop":
+            out.append(r.token)
+    return out
+
+
+@pytest.fixture
+def first_logits(monkeypatch):
+    """Record the logits each turn's prefill returns (the ones that start the answer)."""
+    seen = []
+    real = sequence_module.prefill
+
+    def recording(*args, **kwargs):
+        logits, pos = real(*args, **kwargs)
+        seen.append(logits)
+        return logits, pos
+
+    monkeypatch.setattr(sequence_module, "prefill", recording)
+    return seen
+
+
+def check_turn(eng, turn, logits, mlx_lm_model=None, max_tokens=MAX_TOKENS):
+    expected, ref_logits = fresh_greedy(eng, turn.prompt_ids, max_tokens)
+    assert turn.token_ids == expected
+    assert mx.abs(logits - ref_logits).max().item() < 1e-4
+    if mlx_lm_model is not None:
+        assert mlx_lm_greedy(mlx_lm_model, turn.prompt_ids, max_tokens) == expected
+
+
+# ----- minimality -----------------------------------------------------------------------
+
+
+def test_plain_turns_prefill_only_the_reanswered_tail_and_the_new_message(tiny):
+    s = tiny.session("You are a helpful assistant.")
+    first = s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    assert first.stats.reused_tokens == 0 and first.stats.prefilled_tokens == len(first.prompt_ids)
+    for q in QUESTIONS[1:5]:
+        prompt = s.render([{"role": "user", "content": q}], MAX_TOKENS)
+        turn = s.send(q, max_tokens=MAX_TOKENS)
+        assert prompt.ids == turn.prompt_ids
+        # The template re-renders the previous answer without its think block: the cache is
+        # good up to right after that answer's "<|im_start|>assistant\n", and no further.
+        divergence = prompt.boundaries.assistant_starts[-1]
+        assert turn.stats.reused_tokens == divergence
+        assert turn.stats.prefilled_tokens == len(turn.prompt_ids) - divergence
+        assert turn.stats.prompt_tokens == len(turn.prompt_ids)
+
+
+def test_trimming_turn_restarts_from_the_system_snapshot(tiny):
+    s = tiny.session("You are a helpful assistant.", max_exchanges=2)
+    for q in QUESTIONS[:3]:
+        s.send(q, max_tokens=MAX_TOKENS)
+    system_end = s.render([{"role": "user", "content": "x"}], MAX_TOKENS).boundaries.system_end
+    turn = s.send(QUESTIONS[3], max_tokens=MAX_TOKENS)  # 3 in history: the window drops one
+    assert turn.stats.dropped_exchanges == 1
+    assert turn.stats.reused_tokens == system_end > 0
+    assert turn.stats.prefilled_tokens == len(turn.prompt_ids) - system_end
+
+
+def test_identical_resend_prefills_a_handful(tiny):
+    s = tiny.session("sys")
+    s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    s.send(QUESTIONS[1], max_tokens=MAX_TOKENS)
+    again = s.regenerate(max_tokens=MAX_TOKENS)
+    assert again.stats.prefilled_tokens <= 6
+    assert len(s.history) == 2
+
+
+def test_without_system_prompt_a_trimming_turn_prefills_everything(tiny):
+    s = tiny.session(None, max_exchanges=1)
+    s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    s.send(QUESTIONS[1], max_tokens=MAX_TOKENS)
+    turn = s.send(QUESTIONS[2], max_tokens=MAX_TOKENS)
+    assert turn.stats.dropped_exchanges == 1
+    assert turn.stats.reused_tokens == 0
+
+
+# ----- failures leave no trace ------------------------------------------------------------
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _fail_after(monkeypatch, eng, calls):
+    """Make the model raise on its `calls`-th forward pass (prefill chunks and decode steps)."""
+    count = {"n": 0}
+    real_call, real_hidden = type(eng.model).__call__, type(eng.model).hidden
+
+    def hidden(self, ids, caches):
+        count["n"] += 1
+        if count["n"] == calls:
+            raise Boom("injected")
+        return real_hidden(self, ids, caches)
+
+    def call(self, ids, caches, *, last_only=False):
+        h = hidden(self, ids, caches)
+        return self.logits(h[:, -1:] if last_only else h)
+
+    monkeypatch.setattr(type(eng.model), "hidden", hidden)
+    monkeypatch.setattr(type(eng.model), "__call__", call)
+    return lambda: (monkeypatch.setattr(type(eng.model), "hidden", real_hidden),
+                    monkeypatch.setattr(type(eng.model), "__call__", real_call))  # fmt: skip
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 6])  # first prefill chunk, a later chunk, decode
+def test_exception_mid_turn_rolls_back(tiny, monkeypatch, first_logits, fail_at):
+    s = tiny.session("You are a helpful assistant.")
+    s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    s.send(QUESTIONS[1], max_tokens=MAX_TOKENS)
+    history, tokens = [list(e) for e in s.history], list(s.tokens)
+    undo = _fail_after(monkeypatch, tiny, fail_at)
+    with pytest.raises(Boom):
+        s.send(QUESTIONS[4] * 8, max_tokens=MAX_TOKENS)  # long: several prefill chunks
+    undo()
+    assert s.history == history
+    assert tokens[: len(s.tokens)] == s.tokens  # the cache holds a prefix of what it had
+    turn = s.send(QUESTIONS[2], max_tokens=MAX_TOKENS)
+    check_turn(tiny, turn, first_logits[-1])
+
+
+def test_interrupted_stream_and_keyboard_interrupt_roll_back(tiny, first_logits):
+    s = tiny.session("sys")
+    s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    history = [list(e) for e in s.history]
+    stream = s.stream(QUESTIONS[1], max_tokens=20)
+    next(stream)
+    stream.close()  # the caller walked away mid-answer
+    assert s.history == history
+
+    def interrupt(turn):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        s.send(QUESTIONS[1], max_tokens=MAX_TOKENS, validate=interrupt)
+    assert s.history == history
+    turn = s.send(QUESTIONS[1], max_tokens=MAX_TOKENS)
+    check_turn(tiny, turn, first_logits[-1])
+
+
+def test_rejected_answer_is_not_recorded(tiny):
+    s = tiny.session("sys")
+    s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+
+    def must_be_json(turn):
+        import json
+
+        json.loads(turn.text)
+
+    with pytest.raises(ValueError):
+        s.send(QUESTIONS[1], max_tokens=MAX_TOKENS, validate=must_be_json)
+    assert len(s.history) == 1
+
+
+def test_bad_input_raises_before_touching_anything(tiny):
+    s = tiny.session("sys")
+    s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    tokens, snaps = list(s.tokens), dict(s.seq.snapshots)
+    for bad in ["", "   "]:
+        with pytest.raises(ValueError, match="empty"):
+            s.send(bad)
+    with pytest.raises(ValueError, match="content"):
+        s.send(42)
+    with pytest.raises(ValueError, match="max_tokens"):
+        s.send("hi", max_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        s.send("hi", temperature=-1)
+    with pytest.raises(ValueError, match="no tool calls"):
+        s.send_tool_results(["x"])
+    small = tiny.session("sys", context_window=40)
+    with pytest.raises(ValueError, match="context window 40 minus 8 tokens reserved"):
+        small.send("word " * 200, max_tokens=8)
+    assert s.tokens == tokens and s.seq.snapshots == snaps and len(s.history) == 1
+
+
+# ----- randomized scripts -----------------------------------------------------------------
+
+
+class ScriptedSampler:
+    """Emits a fixed tool call, then the stop token: a model that calls a tool."""
+
+    def __init__(self, eng, text):
+        self.ids = eng.tokenizer.encode(text) + [eng.stop_ids[0]]
+        self.i = 0
+
+    def __call__(self, logits, recent):
+        self.i += 1
+        return mx.array(self.ids[min(self.i - 1, len(self.ids) - 1)])
+
+
+TOOL_CALL = (
+    "Let me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n北京\n"
+    "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+
+
+def _script(rng: random.Random) -> list[str]:
+    actions = ["send"] * 6 + ["regenerate", "edit", "tool", "fail", "interrupt"]
+    return [rng.choice(actions) for _ in range(rng.randint(1, 12))]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_randomized_scripts_are_exact(tiny, mlx_lm_model, first_logits, monkeypatch, seed):
+    rng = random.Random(seed)
+    thinking = rng.choice([True, False, None])
+    budgeted = rng.random() < 0.3
+    eng = tiny
+    if rng.random() < 0.3:  # snapshot eviction under a tiny byte budget
+        eng = engine.load("tiny", cache_bytes=rng.choice([0, 200_000, 600_000]))
+    s = eng.session(
+        rng.choice(["You are a helpful assistant.", "简洁地回答。", None]),
+        max_exchanges=rng.choice([1, 2, 6]),
+        enable_thinking=thinking,
+        context_window=rng.choice([220, 300]) if budgeted else None,
+    )
+    use_mlx_lm = seed < 3  # mlx-lm agrees on a subset (it is the slowest reference)
+    for action in _script(rng):
+        q = rng.choice(QUESTIONS)
+        before = [list(e) for e in s.history]
+        if action == "fail":
+            undo = _fail_after(monkeypatch, eng, rng.randint(1, 4))
+            with pytest.raises(Boom):
+                s.send(q * rng.randint(1, 6), max_tokens=MAX_TOKENS)
+            undo()
+            assert s.history == before
+            continue
+        if action == "interrupt":
+            stream = s.stream(q, max_tokens=MAX_TOKENS)
+            next(stream, None)
+            stream.close()
+            assert s.history == before
+            continue
+        if action == "tool":
+            thinks = s.render([{"role": "user", "content": q}], 1).text.endswith("<think>\n")
+            text = ("I should look it up.\n</think>\n\n" if thinks else "") + TOOL_CALL
+            monkeypatch.setattr("engine.session.Sampler", lambda p, t=text: ScriptedSampler(eng, t))
+            call = s.send(q, max_tokens=200, tools=TOOLS)
+            monkeypatch.setattr("engine.session.Sampler", Sampler)
+            assert [c.name for c in call.tool_calls] == ["get_weather"], call.tool_call_error
+            assert call.tool_calls[0].arguments == {"city": "北京", "days": 3}
+            turn = s.send_tool_results(['{"temp": 21}'], max_tokens=MAX_TOKENS)
+            # the tool-result turn reuses the cache through the call's "<|im_start|>assistant\n"
+            assert turn.stats.reused_tokens >= len(call.prompt_ids) - 8
+        elif action == "regenerate" and s.history:
+            turn = s.regenerate(max_tokens=MAX_TOKENS)
+        elif action == "edit" and s.history:
+            turn = s.edit_last(q, max_tokens=MAX_TOKENS)
+        else:
+            turn = s.send(q, max_tokens=MAX_TOKENS)
+        check_turn(eng, turn, first_logits[-1], mlx_lm_model if use_mlx_lm else None)
+        if budgeted:
+            assert len(turn.prompt_ids) + MAX_TOKENS <= s.context_window
+        assert len(s.history) <= 12 and s.pending == []
+    if eng is not tiny:
+        others = eng.budget.used() - s.seq.live_bytes
+        assert others <= eng.budget.max_bytes  # only the active live cache may exceed it
+
+
+def test_sessions_share_one_model_and_evictions_stay_exact(first_logits):
+    eng = engine.load("tiny", cache_bytes=300_000)
+    a, b = eng.session("A"), eng.session("B")
+    for q in QUESTIONS[:4]:
+        for s in (a, b):
+            turn = s.send(q, max_tokens=MAX_TOKENS)
+            check_turn(eng, turn, first_logits[-1])
+            assert eng.budget.used() - s.seq.live_bytes <= eng.budget.max_bytes
+    assert eng.budget.evictions > 0
+
+
+# ----- a 20-turn replay with planted facts ------------------------------------------------
+
+
+def test_twenty_turn_replay_keeps_facts_while_in_the_window(tiny):
+    s = tiny.session("You are a helpful assistant.", max_exchanges=6)
+    script = ["My order number is 48213.", "The code word is PELICAN."] + [
+        QUESTIONS[i % len(QUESTIONS)].replace("48213", "x").replace("PELICAN", "y")
+        for i in range(2, 20)
+    ]
+    order_in, word_in = [], []
+    for i, q in enumerate(script, start=1):
+        turn = s.send(q, max_tokens=3)
+        prompt = tiny.tokenizer.decode(turn.prompt_ids)
+        order_in.append("48213" in prompt)
+        word_in.append("PELICAN" in prompt)
+        assert turn.stats.dropped_exchanges == max(0, i - 1 - 6)
+    # Planted at turn 1, the order number is in the window through turn 7 (history holds
+    # exchanges 1..6) and gone from turn 8, when the window drops exchange 1.
+    assert order_in == [True] * 7 + [False] * 13
+    # The code word, planted at turn 2, leaves at turn 9.
+    assert word_in == [False] + [True] * 7 + [False] * 12
