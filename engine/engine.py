@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,8 @@ class Engine:
     budget: CacheBudget = field(default_factory=CacheBudget)
     # One computation on the model at a time (sessions, warm-up, the server's worker).
     lock: threading.RLock = field(default_factory=threading.RLock)
+    # Set while foreground work waits for the lock: background work yields at its next chunk.
+    _yield: threading.Event = field(default_factory=threading.Event)
 
     @property
     def path(self) -> Path:
@@ -42,6 +45,17 @@ class Engine:
     @property
     def fingerprint(self) -> str:
         return self.checkpoint.fingerprint
+
+    @contextmanager
+    def foreground(self):
+        """Hold the model for a user-facing computation, interrupting background work."""
+        self._yield.set()
+        with self.lock:
+            self._yield.clear()
+            yield
+
+    def background_should_yield(self) -> bool:
+        return self._yield.is_set()
 
     def session(self, system: str | None = None, **options):
         """A conversation on this engine (see `engine.session.Session`)."""

@@ -29,6 +29,8 @@ def eval_caches(caches: list) -> None:
 
 def chunk_ends(start: int, end: int, stops: Sequence[int], chunk: int = PREFILL_CHUNK) -> list[int]:
     """Chunk end positions covering (start, end]: every stop in range, and at most `chunk` apart."""
+    if start >= end:
+        return []
     marks = sorted({s for s in stops if start < s < end} | {end})
     out, pos = [], start
     for m in marks:
@@ -50,14 +52,16 @@ def prefill(
     on_stop: Callable[[int], None] | None = None,
     logits: bool = True,
     cancelled: Callable[[], bool] | None = None,
+    chunk: int = PREFILL_CHUNK,
 ) -> tuple[mx.array | None, int]:
     """Feed `ids[start:]`; call `on_stop(pos)` after reaching each position in `stops`.
 
-    Returns the logits `[V]` of the last position (None if `logits` is False or the work was
-    cancelled) and the position reached.
+    `cancelled()` is checked before each chunk: background work stops at a chunk boundary,
+    with the caches consistent at the position reached. Returns the logits `[V]` of the last
+    position (None if `logits` is False or the work was cancelled) and that position.
     """
     pos = start
-    ends = chunk_ends(start, len(ids), stops)
+    ends = chunk_ends(start, len(ids), stops, chunk)
     out = None
     for end in ends:
         if cancelled is not None and cancelled():

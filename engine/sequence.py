@@ -13,7 +13,7 @@ rolls back to its state before the call (or to a snapshot of it), never to an in
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from . import snapshot
@@ -72,9 +72,14 @@ class CachedSequence:
         self.tokens, self.snapshots = [], {}
         self.caches = self.engine.model.make_caches()
 
-    def reusable(self, ids: Sequence[int]) -> int:
-        """How many leading tokens of `ids` this sequence could restore without compute."""
-        target = min(common_prefix(self.tokens, ids), len(ids) - 1)
+    def reusable(self, ids: Sequence[int], *, need_logits: bool = True) -> int:
+        """How many leading tokens of `ids` this sequence could restore without compute.
+
+        With `need_logits`, the last token is always recomputed: its logits start the answer.
+        """
+        target = common_prefix(self.tokens, ids)
+        if need_logits:
+            target = min(target, len(ids) - 1)
         if len(self.tokens) <= target:
             return len(self.tokens)
         return max((p for p in self.snapshots if p <= target), default=0)
@@ -132,6 +137,41 @@ class CachedSequence:
             self.last_used = time.monotonic()
             engine.budget.enforce(active=self)
 
+    def extend(
+        self,
+        ids: list[int],
+        *,
+        stops: Iterable[int],
+        cancelled: Callable[[], bool] | None = None,
+        chunk: int = 128,
+    ) -> tuple[int, int]:
+        """Bring the caches to hold `ids` (no logits, no decoding): idle-time work.
+
+        Stops early, consistent, when `cancelled()` turns true at a chunk boundary. Returns
+        the (start, end) positions it computed.
+        """
+        with self.engine.lock:
+            start = self._restore(ids, need_logits=False)
+            stops = sorted({p for p in stops if 0 < p <= len(ids)} | {len(ids)})
+            try:
+                _, end = prefill(
+                    self.engine.model, self.caches, ids, start, stops=stops,
+                    on_stop=self._snapshot, logits=False, cancelled=cancelled, chunk=chunk,
+                )  # fmt: skip
+            except BaseException:
+                # A chunk died half-way: resume from the last snapshot, all of which lie on `ids`.
+                pos = max(self.snapshots, default=0)
+                if pos:
+                    snapshot.restore(self.caches, self.snapshots[pos])
+                else:
+                    self.caches = self.engine.model.make_caches()
+                self.tokens = list(ids[:pos])
+                raise
+            self.tokens = list(ids[:end])
+            self.last_used = time.monotonic()
+            self.engine.budget.enforce(active=self)
+            return start, end
+
     def rollback(self, undo: _Undo) -> None:
         """Return to the state recorded in `undo`, or to a snapshot of it.
 
@@ -162,12 +202,9 @@ class CachedSequence:
         self.snapshots[pos] = snapshot.take(self.caches, pos)
         self.engine.budget.enforce(active=self)
 
-    def _restore(self, ids: list[int]) -> int:
-        """Bring the caches to the deepest reusable position of `ids`; returns it.
-
-        At least the last prompt token is always recomputed: its logits start the answer.
-        """
-        pos = self.reusable(ids)
+    def _restore(self, ids: list[int], need_logits: bool = True) -> int:
+        """Bring the caches to the deepest reusable position of `ids`; returns it."""
+        pos = self.reusable(ids, need_logits=need_logits)
         if pos < len(self.tokens):
             if pos:
                 snapshot.restore(self.caches, self.snapshots[pos])

@@ -11,6 +11,7 @@ the cache at its state before the turn, or at a snapshot of it.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -23,6 +24,8 @@ from .tokenizer import StreamDecoder
 from .turn import Turn, TurnStats, parse_tool_calls, split_reasoning
 
 DEFAULT_MAX_TOKENS = 512
+# What warm() assumes the next message costs when it predicts the window's token budget.
+_TYPICAL_MESSAGE = "x " * 64
 
 
 class Session:
@@ -51,6 +54,7 @@ class Session:
         self.seq = CachedSequence(engine)
         self.segments = SegmentCache()  # token ids of rendered segments, reused across turns
         self.last_turn: Turn | None = None
+        self._warmed = (0, 0)  # positions the last warm() computed, for the next turn's stats
 
     # ----- public API -------------------------------------------------------------------
 
@@ -122,6 +126,36 @@ class Session:
             self.history.append(last)
             raise
 
+    def warm(self, cancelled: Callable[[], bool] | None = None) -> int:
+        """Do the next turn's work that does not depend on the next message; returns tokens prefilled.
+
+        The next prompt is this conversation as the template will re-render it (previous answer
+        without its think block; on a turn that trims, the re-windowed history) up to where the
+        new user message starts. Prefilling it now leaves only the new message for the wait.
+        Exact: the next turn reuses only what matches its prompt. Stops at a chunk boundary
+        when foreground work needs the model, or when `cancelled()` is true.
+        """
+        if self.pending:
+            return 0  # the next input is tool results: the prompt already ends at a boundary
+        prompt = self.render([{"role": "user", "content": _TYPICAL_MESSAGE}], self.max_tokens)
+        b = prompt.boundaries
+        prefix = prompt.ids[: b.message_starts[-1]]  # up to the new user message
+        stops = {b.system_end, *b.message_starts[:-1], *b.assistant_starts}
+
+        def stop() -> bool:
+            return self.engine.background_should_yield() or bool(cancelled and cancelled())
+
+        start, end = self.seq.extend(prefix, stops=stops, cancelled=stop)
+        if end > start:
+            self._warmed = (start, end)
+        return end - start
+
+    def warm_in_background(self) -> threading.Thread:
+        """Run `warm()` on a daemon thread; a new `send`/`stream` interrupts it at a chunk."""
+        thread = threading.Thread(target=self.warm, name="chatml-warm", daemon=True)
+        thread.start()
+        return thread
+
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays)."""
         self.history, self.pending = [], []
@@ -179,7 +213,8 @@ class Session:
         stops = {b.system_end, *b.message_starts, *b.assistant_starts, b.generation_start or 0}
         progress = Progress()
         detok, pieces = StreamDecoder(self.engine.tokenizer), []
-        with self.engine.lock:  # held across the yields: one computation on the model at a time
+        # Held across the yields: one computation on the model at a time; warm-up yields to us.
+        with self.engine.foreground():
             try:
                 for token in self.seq.generate(
                     prompt.ids, stops=stops, sampler=sampler, max_tokens=max_tokens,
@@ -221,7 +256,9 @@ class Session:
             prefill_tps=p.prefilled / p.prefill_s if p.prefill_s > 0 else 0.0,
             decode_tps=(n - 1) / p.decode_s if p.decode_s > 0 and n > 1 else 0.0,
             cache_bytes=self.seq.cache_bytes,
+            warm_tokens=max(0, min(p.reused, self._warmed[1]) - self._warmed[0]),
         )
+        self._warmed = (0, 0)
         return Turn(content, reasoning, list(prompt.ids), list(p.tokens), stats, p.finish,
                     calls, error)  # fmt: skip
 

@@ -12,36 +12,13 @@ import random
 
 import mlx.core as mx
 import pytest
+from helpers import QUESTIONS, fresh_greedy
 
 import engine
 import engine.sequence as sequence_module
 from engine.sampling import Sampler
 
 MAX_TOKENS = 5
-QUESTIONS = [
-    "Hello! My order number is 48213.", "你好，今天天气怎么样？", "Tell me a story about a fox.",
-    "What is 17 times 23?", "Summarize the French revolution in one line. " * 3,
-    "请用中文解释一下量子计算。", "Code word: PELICAN. Remember it.", "ok", "Why is the sky blue? 🌌",
-    "List three prime numbers\nand explain.",
-]  # fmt: skip
-
-
-# ----- independent references ------------------------------------------------------------
-
-
-def fresh_greedy(eng, ids, max_tokens=MAX_TOKENS):
-    """Greedy decode after one full prefill on fresh caches: no session, no snapshots."""
-    caches = eng.model.make_caches()
-    logits = first = eng.model(mx.array([ids]), caches)[0, -1]
-    out = []
-    while len(out) < max_tokens:
-        token = mx.argmax(logits).item()
-        if token in eng.stop_ids:
-            break
-        out.append(token)
-        if len(out) < max_tokens:
-            logits = eng.model(mx.array([[token]]), caches)[0, -1]
-    return out, first
 
 
 @pytest.fixture(scope="module")

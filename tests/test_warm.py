@@ -1,0 +1,82 @@
+"""Idle-time pre-prefill: after warm(), a turn computes only the user's new message."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from helpers import QUESTIONS, fresh_greedy
+
+MAX_TOKENS = 5
+
+
+def new_message_tokens(eng, session, text: str) -> int:
+    """Tokens of "<|im_start|>user\\n{text}<|im_end|>\\n<|im_start|>assistant\\n" + think prefix."""
+    prompt = session.render([{"role": "user", "content": text}], MAX_TOKENS)
+    tail = prompt.text[prompt.text.rindex("<|im_start|>user\n") :]
+    assert tail.startswith(f"<|im_start|>user\n{text.strip()}<|im_end|>\n<|im_start|>assistant\n")
+    return len(eng.tokenizer.encode(tail))
+
+
+@pytest.mark.parametrize("max_exchanges", [6, 2])  # 2: the later turns trim the window
+def test_after_warm_a_turn_prefills_only_the_new_message(tiny, max_exchanges):
+    warmed = tiny.session("You are a helpful assistant.", max_exchanges=max_exchanges)
+    cold = tiny.session("You are a helpful assistant.", max_exchanges=max_exchanges)
+    for i, q in enumerate(QUESTIONS[:6]):
+        if i:
+            assert warmed.warm() > 0
+            assert warmed.warm() == 0  # warming twice does nothing the second time
+        expected_prefill = new_message_tokens(tiny, warmed, q)
+        turn = warmed.send(q, max_tokens=MAX_TOKENS)
+        reference = cold.send(q, max_tokens=MAX_TOKENS)
+        assert turn.prompt_ids == reference.prompt_ids
+        assert turn.token_ids == reference.token_ids  # identical with or without warming
+        assert turn.token_ids == fresh_greedy(tiny, turn.prompt_ids, MAX_TOKENS)[0]
+        if i:
+            assert turn.stats.prefilled_tokens == expected_prefill
+            assert turn.stats.warm_tokens > 0
+            assert turn.stats.dropped_exchanges == max(0, i - max_exchanges)
+    assert max_exchanges == 6 or turn.stats.dropped_exchanges > 0
+
+
+def test_send_during_warm_is_served_correctly_and_promptly(tiny):
+    # The next turn trims the window, so warm() re-prefills a long history: many chunks.
+    s = tiny.session("You are a helpful assistant.", max_exchanges=3)
+    for q in QUESTIONS[:4]:
+        s.send(q * 12, max_tokens=MAX_TOKENS)
+    started, checks, result = threading.Event(), [], {}
+
+    def cancelled() -> bool:
+        checks.append(1)
+        started.set()
+        return False
+
+    b = s.render([{"role": "user", "content": "x"}], MAX_TOKENS).boundaries
+    warm_work = b.message_starts[-1] - b.system_end
+    worker = threading.Thread(target=lambda: result.setdefault("n", s.warm(cancelled)))
+    worker.start()
+    assert started.wait(30)
+    turn = s.send(QUESTIONS[5], max_tokens=MAX_TOKENS)  # arrives mid-warm
+    worker.join(30)
+    assert not worker.is_alive()
+    assert result["n"] < warm_work  # it stopped early for the send
+    assert turn.token_ids == fresh_greedy(tiny, turn.prompt_ids, MAX_TOKENS)[0]
+    # The session is consistent: the next turn is exact and reuses the answered prefix.
+    nxt = s.send(QUESTIONS[6], max_tokens=MAX_TOKENS)
+    assert nxt.token_ids == fresh_greedy(tiny, nxt.prompt_ids, MAX_TOKENS)[0]
+    assert nxt.stats.reused_tokens > 0
+
+
+def test_cancelled_warm_keeps_what_it_finished(tiny):
+    s = tiny.session("sys", max_exchanges=2)
+    for q in QUESTIONS[:3]:
+        s.send(q * 10, max_tokens=MAX_TOKENS)  # the next turn trims: a long warm-up
+    calls = []
+    done = s.warm(lambda: calls.append(1) or len(calls) > 2)  # stop after two chunks
+    assert 0 < done <= 2 * 128
+    rest = s.warm()
+    assert rest > 0  # the rest of the prefix, from where the first call stopped
+    expected = new_message_tokens(tiny, s, QUESTIONS[4])
+    turn = s.send(QUESTIONS[4], max_tokens=MAX_TOKENS)
+    assert turn.stats.prefilled_tokens == expected
+    assert turn.token_ids == fresh_greedy(tiny, turn.prompt_ids, MAX_TOKENS)[0]
