@@ -76,6 +76,8 @@ def load(
     `"tiny"` is built on first use (offline, deterministic) under CHATML_HOME. Hub ids go
     through the ordinary Hugging Face client and its cache (needs network the first time).
     `dtype` overrides the registry's compute dtype for this backend (float32 on CPUs).
+    Quantized checkpoints are dequantized on CPUs (only float32 matmuls use BLAS there) and
+    stay quantized on GPUs.
     `cache_bytes` bounds all sessions' caches and snapshots (default: a quarter of RAM).
     """
     path, entry = resolve(model)
@@ -84,7 +86,7 @@ def load(
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
     net = Qwen35(ckpt.entry.arch, ModelOptions(chunked_delta=chunked_delta))
-    load_weights(ckpt, net, _DTYPES[name])
+    load_weights(ckpt, net, _DTYPES[name], dequantize_quantized=backend() == "cpu")
     tok = load_tokenizer(path)
     stops = tuple(tok.token_id(t) for t in ckpt.entry.stop_tokens)
     return Engine(net, tok, ckpt.entry, ckpt, _DTYPES[name], stops, CacheBudget(cache_bytes))

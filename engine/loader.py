@@ -195,8 +195,12 @@ def inspect(path: Path, entry: ModelEntry | None = None) -> Checkpoint:
     return Checkpoint(path, entry, digest.hexdigest()[:16], quant)
 
 
-def load_weights(ckpt: Checkpoint, model, dtype) -> None:
-    """Load, sanitize, cast and (on the CPU) dequantize the weights into `model`."""
+def load_weights(ckpt: Checkpoint, model, dtype, *, dequantize_quantized: bool) -> None:
+    """Load, sanitize and cast the weights into `model`.
+
+    Quantized checkpoints (mlx-lm's format) are dequantized when `dequantize_quantized`: on a
+    CPU only float32 matmuls reach the fast BLAS, so 4-bit weights would be far slower there.
+    """
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -235,7 +239,7 @@ def load_weights(ckpt: Checkpoint, model, dtype) -> None:
         if not keep:
             weights[k] = v.astype(dtype)
     model.load_weights(list(weights.items()), strict=True)
-    if ckpt.quantization and dtype == mx.float32:
+    if ckpt.quantization and dequantize_quantized:
         dequantize(model, dtype)
     mx.eval(model.parameters())
 
