@@ -109,6 +109,12 @@ def _bench(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from .server import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chatml", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -133,6 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("what", help="kernels, render, replay or throughput")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=_bench)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (README: Server)")
+    s.add_argument("--model", default="tiny", help="registry alias, checkpoint folder or Hub id")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--cache-bytes", type=int, default=None, help="cache budget (default: RAM/4)")
+    s.add_argument("--sequences", type=int, default=8, help="cached sequences kept for reuse")
+    s.add_argument("--max-tokens", type=int, default=512, help="answer limit if a request has none")
+    s.set_defaults(func=_serve)
     return p
 
 

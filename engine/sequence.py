@@ -57,7 +57,7 @@ class CachedSequence:
         self.tokens: list[int] = []  # exactly the ids the live caches have consumed
         self.caches = engine.model.make_caches()
         self.snapshots: dict[int, snapshot.Snapshot] = {}
-        self.last_used = time.monotonic()
+        self.last_used = snapshot.tick()
         engine.budget.register(self)
 
     @property
@@ -130,11 +130,20 @@ class CachedSequence:
                 # The caches hold every generated token but the last one (never fed back).
                 done = progress.tokens
                 self.tokens += done if progress.finish == "stop" else done[:-1]
+            except GeneratorExit:
+                # The consumer stopped reading mid-answer (a stop string, a disconnect). That is
+                # not a failure: the caches hold the prompt and every yielded token but the
+                # last, all valid. Callers that want no trace roll back with `progress.undo`.
+                self.tokens += progress.tokens[:-1]
+                progress.finish = "cancelled"
+                self.last_used = snapshot.tick()
+                engine.budget.enforce(active=self)
+                raise
             except BaseException:
                 self.rollback(undo)
                 engine.budget.enforce(active=self)
                 raise
-            self.last_used = time.monotonic()
+            self.last_used = snapshot.tick()
             engine.budget.enforce(active=self)
 
     def extend(
@@ -168,7 +177,7 @@ class CachedSequence:
                 self.tokens = list(ids[:pos])
                 raise
             self.tokens = list(ids[:end])
-            self.last_used = time.monotonic()
+            self.last_used = snapshot.tick()
             self.engine.budget.enforce(active=self)
             return start, end
 

@@ -215,11 +215,12 @@ class Session:
         detok, pieces = StreamDecoder(self.engine.tokenizer), []
         # Held across the yields: one computation on the model at a time; warm-up yields to us.
         with self.engine.foreground():
+            tokens = self.seq.generate(
+                prompt.ids, stops=stops, sampler=sampler, max_tokens=max_tokens,
+                progress=progress, ignore_eos=ignore_eos,
+            )  # fmt: skip
             try:
-                for token in self.seq.generate(
-                    prompt.ids, stops=stops, sampler=sampler, max_tokens=max_tokens,
-                    progress=progress, ignore_eos=ignore_eos,
-                ):  # fmt: skip
+                for token in tokens:
                     piece = detok.add(token)
                     if piece:
                         pieces.append(piece)
@@ -232,8 +233,9 @@ class Session:
                 if validate is not None:
                     validate(turn)
             except BaseException:
+                tokens.close()  # settle the sequence first (a no-op if it already finished)
                 if progress.undo is not None:
-                    self.seq.rollback(progress.undo)
+                    self.seq.rollback(progress.undo)  # a failed turn leaves no trace
                 raise
             self._record(current, turn)
             self.last_turn = turn

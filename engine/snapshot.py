@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 
 from .cache import KVCache, RecurrentCache
 
-_clock = itertools.count()  # global recency stamps for LRU across sessions
+_clock = itertools.count()  # one recency clock for snapshots and live caches (the LRU order)
+
+
+def tick() -> int:
+    return next(_clock)
 
 
 @dataclass
@@ -23,10 +27,10 @@ class Snapshot:
     pos: int
     layers: list  # per layer: RecurrentCache.snapshot() or None for KV layers
     nbytes: int
-    last_used: int = field(default_factory=lambda: next(_clock))
+    last_used: int = field(default_factory=tick)
 
     def touch(self) -> None:
-        self.last_used = next(_clock)
+        self.last_used = tick()
 
 
 def take(caches: list, pos: int) -> Snapshot:
@@ -60,40 +64,39 @@ def default_budget() -> int:
 
 
 class CacheBudget:
-    """Engine-wide LRU over every session's snapshots and live caches, bounded in bytes.
+    """Engine-wide LRU over every sequence's snapshots and live caches, bounded in bytes.
 
-    Evicting a snapshot only costs a longer prefill later; when no snapshot is left, idle
-    sessions lose their live cache (they re-prefill their next prompt). The session being
-    served keeps its live cache: a single conversation larger than the budget still runs.
+    One recency order covers both: the least recently used item goes first. Evicting a snapshot
+    only costs a longer prefill later; evicting an idle sequence's live cache drops that
+    sequence's snapshots too (their KV part lived there), and its next prompt is prefilled
+    from scratch. The sequence being served keeps its live cache: a single conversation
+    larger than the budget still runs, with no snapshots.
     """
 
     def __init__(self, max_bytes: int | None = None):
         self.max_bytes = default_budget() if max_bytes is None else max_bytes
-        self._sessions: weakref.WeakSet = weakref.WeakSet()
+        self._sequences: weakref.WeakSet = weakref.WeakSet()
         self.evictions = 0
 
-    def register(self, session) -> None:
-        self._sessions.add(session)
+    def register(self, sequence) -> None:
+        self._sequences.add(sequence)
 
     def used(self) -> int:
-        return sum(s.cache_bytes for s in list(self._sessions))
+        return sum(s.cache_bytes for s in list(self._sequences))
 
     def enforce(self, active=None) -> None:
         used = self.used()
         while used > self.max_bytes:
-            victims = [
-                (snap.last_used, s, pos)
-                for s in list(self._sessions)
-                for pos, snap in s.snapshots.items()
-            ]
-            if victims:
-                _, session, pos = min(victims, key=lambda v: v[0])
-                used -= session.snapshots.pop(pos).nbytes
+            items = [(snap.last_used, s, pos) for s in list(self._sequences)
+                     for pos, snap in s.snapshots.items()]  # fmt: skip
+            items += [(s.last_used, s, None) for s in list(self._sequences)
+                      if s is not active and s.live_bytes]  # fmt: skip
+            if not items:
+                return
+            _, seq, pos = min(items, key=lambda item: item[0])
+            if pos is None:
+                used -= seq.cache_bytes
+                seq.drop_cache()
             else:
-                idle = [s for s in list(self._sessions) if s is not active and s.live_bytes]
-                if not idle:
-                    return
-                victim = min(idle, key=lambda s: s.last_used)
-                used -= victim.live_bytes
-                victim.drop_cache()
+                used -= seq.snapshots.pop(pos).nbytes
             self.evictions += 1

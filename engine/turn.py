@@ -72,27 +72,29 @@ def split_reasoning(raw: str, thinking: bool) -> tuple[str | None, str]:
 
 
 def parse_tool_calls(answer: str) -> tuple[str, list[ToolCall], str | None]:
-    """Split the template's XML tool calls off an answer: (content, calls, error)."""
+    """Split the template's XML tool calls off an answer: (content, calls, error).
+
+    Malformed markup is reported, not guessed at: no calls, the whole answer kept as content.
+    """
     start = answer.find("<tool_call>")
     if start < 0:
         return answer, [], None
-    content, calls = answer[:start].strip(), []
+    calls = []
     blocks = _CALL.findall(answer[start:])
-    rest = _CALL.sub("", answer[start:]).strip()
-    if not blocks or rest:
-        return content, [], "unterminated or stray text around <tool_call> blocks"
+    if not blocks or _CALL.sub("", answer[start:]).strip():
+        return answer, [], "unterminated <tool_call> block or stray text around it"
     for i, block in enumerate(blocks):
         m = _FUNCTION.fullmatch(block)
         if not m:
-            return content, [], f"tool call {i}: expected <function=NAME>...</function>"
+            return answer, [], f"tool call {i}: expected <function=NAME>...</function>"
         name, body = m.group(1).strip(), m.group(2)
+        if _PARAM.sub("", body).strip():
+            return answer, [], f"tool call {i} ({name}): text outside <parameter> blocks"
         args = {}
         for key, value in _PARAM.findall(body):
             try:
                 args[key.strip()] = json.loads(value)
             except json.JSONDecodeError:
-                args[key.strip()] = value
-        if _PARAM.sub("", body).strip():
-            return content, [], f"tool call {i} ({name}): text outside <parameter> blocks"
+                args[key.strip()] = value  # a plain string argument
         calls.append(ToolCall(name, args))
-    return content, calls, None
+    return answer[:start].strip(), calls, None

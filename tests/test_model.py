@@ -56,25 +56,74 @@ def test_token_by_token_decode_equals_full_prefill(tiny):
     assert mx.abs(full - steps).max().item() < 1e-4
 
 
-def test_matches_transformers(tiny_sequential):
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """tiny with a mixture-of-experts FFN (the 35B-A3B layout: routed + shared experts)."""
+    import dataclasses
+
+    from engine import registry
+    from engine.builder import build
+
+    t = registry.get("tiny")
+    arch = dataclasses.replace(
+        t.arch, intermediate_size=0, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    )  # fmt: skip
+    path = build(
+        dataclasses.replace(t, name="tiny-moe", arch=arch), tmp_path_factory.mktemp("m") / "moe"
+    )
+    return engine_load(str(path), chunked_delta=False)
+
+
+def engine_load(*args, **kwargs):
+    import engine
+
+    return engine.load(*args, **kwargs)
+
+
+def _transformers_logits(eng, ids):
     torch = pytest.importorskip(
         "torch", reason="transformers parity needs torch: pip install torch==2.13.0"
     )
-    import transformers.models.qwen3_5.modeling_qwen3_5 as hf
     from safetensors.numpy import load_file
 
-    cfg = json.loads((tiny_sequential.path / "config.json").read_text())["text_config"]
-    config = hf.Qwen3_5TextConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
-    model = hf.Qwen3_5ForCausalLM(config).eval()
-    weights = load_file(str(tiny_sequential.path / "model.safetensors"))
+    cfg = json.loads((eng.path / "config.json").read_text())["text_config"]
+    if cfg["model_type"] == "qwen3_5_moe_text":
+        import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as hf
+
+        config = hf.Qwen3_5MoeTextConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+        model = hf.Qwen3_5MoeForCausalLM(config).eval()
+    else:
+        import transformers.models.qwen3_5.modeling_qwen3_5 as hf
+
+        config = hf.Qwen3_5TextConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+        model = hf.Qwen3_5ForCausalLM(config).eval()
+    weights = load_file(str(eng.path / "model.safetensors"))
     state = {
         k.replace("model.language_model.", "model."): torch.from_numpy(v)
         for k, v in weights.items()
     }
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert missing == ["lm_head.weight"] and not unexpected  # tied to the embeddings
-    ids = tiny_sequential.tokenizer.encode(PROMPT * 2)
     with torch.no_grad():
-        expected = model(torch.tensor([ids])).logits[0].numpy()
-    got = np.array(_logits(tiny_sequential, ids))
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("path", ["sequential", "chunked"])
+def test_matches_transformers(tiny, tiny_sequential, path):
+    eng = tiny if path == "chunked" else tiny_sequential
+    ids = eng.tokenizer.encode(PROMPT * 3)  # > 64 tokens: the chunked kernel spans chunks
+    expected = _transformers_logits(eng, ids)
+    got = np.array(_logits(eng, ids))
     assert np.abs(got - expected).max() < 1e-4
+
+
+def test_moe_matches_mlx_lm_and_transformers(tiny_moe):
+    from mlx_lm import load
+
+    ids = tiny_moe.tokenizer.encode(PROMPT)
+    got = _logits(tiny_moe, ids)
+    ref, _ = load(str(tiny_moe.path))
+    assert mx.abs(got - ref(mx.array([ids]), cache=ref.make_cache())[0]).max().item() < 1e-4
+    expected = _transformers_logits(tiny_moe, ids)
+    assert np.abs(np.array(got) - expected).max() < 1e-4

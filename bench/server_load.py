@@ -1,0 +1,130 @@
+"""Load test of `chatml serve`: `python -m bench.server_load [--clients 4 --turns 5 ...]`.
+
+Starts the server in-process on 127.0.0.1 (a free port) unless `--url` points at one, then
+runs `--clients` concurrent conversations of `--turns` turns each, streaming, every request
+resending the whole conversation (as OpenAI clients do). Bounded by request count and by
+`--time-limit` seconds. Reports requests/s, p50/p95 time to first token (first streamed
+chunk with text, measured at the client) and the share of prompt tokens served from the cache.
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import threading
+import time
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def _conversation(client, model, k, args, deadline, records, lock) -> None:
+    messages = [{"role": "system", "content": args.system}]
+    for t in range(args.turns):
+        if time.monotonic() > deadline:
+            return
+        messages.append({"role": "user", "content": f"Client {k}, question {t}: " + args.question})
+        start, first, text, usage = time.perf_counter(), None, [], None
+        stream = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=args.max_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+        )  # fmt: skip
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    first = first or time.perf_counter()
+                    text.append(choice.delta.content)
+        end = time.perf_counter()
+        messages.append({"role": "assistant", "content": "".join(text)})
+        with lock:
+            records.append({
+                "ttft_s": (first or end) - start, "total_s": end - start,
+                "prompt_tokens": usage.prompt_tokens,
+                "cached_tokens": usage.prompt_tokens_details.cached_tokens,
+                "completion_tokens": usage.completion_tokens,
+            })  # fmt: skip
+
+
+def run(args) -> dict:
+    import openai
+
+    server = None
+    url = args.url
+    if url is None:
+        import engine
+        from engine.server import BackgroundServer, ServerConfig
+
+        eng = engine.load(args.model)
+        server = BackgroundServer(eng, ServerConfig(model=args.model, port=0)).start()
+        url = server.url
+    client = openai.OpenAI(base_url=url + "/v1", api_key=args.api_key or "none", max_retries=0)
+    # One warm-up request: first-call costs (kernels, allocations) are not load.
+    client.chat.completions.create(
+        model=args.model, messages=[{"role": "user", "content": "warm up"}], max_tokens=2
+    )
+    records: list[dict] = []
+    lock = threading.Lock()
+    start = time.perf_counter()
+    deadline = time.monotonic() + args.time_limit
+    threads = [
+        threading.Thread(
+            target=_conversation, args=(client, args.model, k, args, deadline, records, lock)
+        )
+        for k in range(args.clients)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    if server is not None:
+        server.stop()
+    ttft = [r["ttft_s"] for r in records]
+    prompt = sum(r["prompt_tokens"] for r in records)
+    return {
+        "bench": "server_load",
+        "model": args.model,
+        "clients": args.clients,
+        "turns": args.turns,
+        "max_tokens": args.max_tokens,
+        "requests": len(records),
+        "elapsed_s": round(elapsed, 2),
+        "requests_per_s": round(len(records) / elapsed, 2),
+        "ttft_p50_ms": round(statistics.median(ttft) * 1000, 1) if ttft else None,
+        "ttft_p95_ms": round(_percentile(ttft, 0.95) * 1000, 1),
+        "prompt_tokens": prompt,
+        "cached_share": round(sum(r["cached_tokens"] for r in records) / max(prompt, 1), 3),
+        "completion_tokens": sum(r["completion_tokens"] for r in records),
+        "platform": f"{platform.system()} {platform.machine()}",
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.server_load", description=__doc__)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--url", default=None, help="a running server (default: start one here)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--time-limit", type=float, default=60.0, help="no new request after this")
+    p.add_argument("--system", default="You are a helpful assistant. " * 20)
+    p.add_argument("--question", default="please explain how the cache is reused. " * 4)
+    args = p.parse_args()
+    result = run(args)
+    for key, value in result.items():
+        print(f"{key:>18}: {value}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

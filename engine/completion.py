@@ -1,0 +1,375 @@
+"""The OpenAI chat-completions request and answer, without HTTP: parsing, rendering, output text.
+
+- `parse_request`: the JSON body to a `ChatRequest`, or an `ApiError` naming the bad field.
+- `render_request`: the whole conversation to prompt ids and boundaries (nothing is dropped:
+  a prompt that does not fit the context window is an error, never a silent trim).
+- `OutputText`: generated text as the client sees it, piece by piece: stop strings cut,
+  reasoning split from content, tool calls parsed, deltas that always add up to the final
+  message.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from renderer import (
+    Prompt,
+    RenderError,
+    SegmentCache,
+    build_prompt,
+    split_conversation,
+    validate_exchange,
+)
+
+from .sampling import SamplingParams
+from .turn import ToolCall, parse_tool_calls, split_reasoning
+
+MAX_STOP_STRINGS = 4  # as the OpenAI API
+THINK_END = "</think>"
+TOOL_CALL = "<tool_call>"
+
+
+class ApiError(Exception):
+    """An error answered as an OpenAI-style error object with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = (
+            status, message, param, code, type,
+        )  # fmt: skip
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message, "type": self.type, "param": self.param, "code": self.code,
+            }
+        }  # fmt: skip
+
+
+def _bad(message: str, param: str | None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass
+class ChatRequest:
+    messages: list
+    model: str | None = None
+    tools: list | None = None
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None  # None: the server's default, within the context window
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    enable_thinking: bool | None = None
+    preserve_thinking: bool | None = None
+
+
+def _number(body: Mapping, name: str, lo: float, hi: float, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad(f"'{name}' must be a number", name, "invalid_type")
+    if not lo <= value <= hi:
+        raise _bad(f"'{name}' must be between {lo} and {hi}, got {value}", name, "invalid_value")
+    return float(value)
+
+
+def _integer(body: Mapping, name: str, minimum: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"'{name}' must be an integer", name, "invalid_type")
+    if minimum is not None and value < minimum:
+        raise _bad(f"'{name}' must be >= {minimum}, got {value}", name, "invalid_value")
+    return value
+
+
+def _flag(body: Mapping, name: str, param: str | None = None) -> bool | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise _bad(f"'{param or name}' must be a boolean", param or name, "invalid_type")
+    return value
+
+
+def parse_request(body: Any) -> ChatRequest:
+    """Check a chat-completions body; raises ApiError(400) naming the offending parameter.
+
+    Message contents are checked later, by the renderer (`render_request`).
+    """
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object", None)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list of messages", "messages")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("'model' must be a string", "model", "invalid_type")
+    n = _integer(body, "n")
+    if n not in (None, 1):
+        raise _bad("only n=1 is supported", "n", "unsupported_value")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if _number(body, name, -2.0, 2.0, 0.0) != 0.0:
+            raise _bad(f"'{name}' is not supported (use repetition_penalty)", name, "unsupported")
+    if body.get("logprobs"):
+        raise _bad("logprobs are not supported", "logprobs", "unsupported")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise _bad("only response_format {'type': 'text'} is supported", "response_format")
+
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise _bad("'tools' must be a list of tool definitions", "tools", "invalid_type")
+    for i, tool in enumerate(tools or []):
+        if not isinstance(tool, dict):
+            raise _bad(f"tools[{i}] must be an object", f"tools[{i}]", "invalid_type")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise _bad("tool_choice must be 'auto' or 'none'", "tool_choice", "unsupported_value")
+    if choice == "none" or not tools:
+        tools = None  # the model is not told about tools it must not call
+
+    stream = _flag(body, "stream") or False
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("'stream_options' must be an object", "stream_options", "invalid_type")
+    include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
+
+    max_tokens = _integer(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", 1)
+
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise _bad("'stop' must be a non-empty string or a list of them", "stop", "invalid_type")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise _bad(f"'stop' takes at most {MAX_STOP_STRINGS} strings", "stop", "invalid_value")
+
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    for key in kwargs:
+        if key not in ("enable_thinking", "preserve_thinking"):
+            raise _bad(
+                f"unknown chat_template_kwargs key {key!r} (supported: enable_thinking, "
+                "preserve_thinking)", f"chat_template_kwargs.{key}", "unsupported",
+            )  # fmt: skip
+    thinking = _flag(kwargs, "enable_thinking", "chat_template_kwargs.enable_thinking")
+    preserve = _flag(kwargs, "preserve_thinking", "chat_template_kwargs.preserve_thinking")
+
+    try:
+        params = SamplingParams(
+            temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
+            top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
+            top_k=_integer(body, "top_k", 0) or 0,
+            min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
+            repetition_penalty=_number(body, "repetition_penalty", 0.0, 10.0, 1.0),
+            seed=_integer(body, "seed"),
+        )
+    except ValueError as e:  # e.g. top_p == 0 or min_p == 1
+        raise _bad(str(e), str(e).split(" ", 1)[0], "invalid_value") from None
+    return ChatRequest(
+        messages=messages, model=model, tools=tools, stream=stream,
+        include_usage=bool(stream and include_usage), max_tokens=max_tokens, params=params,
+        stop=stop, enable_thinking=thinking, preserve_thinking=preserve,
+    )  # fmt: skip
+
+
+def _message_param(error: RenderError, offset: int) -> str:
+    if error.index is None:
+        return "messages"
+    param = f"messages[{offset + error.index}]"
+    return f"{param}.{error.field}" if error.field else param
+
+
+class Renderer:
+    """Renders requests to prompts for one engine; thread-safe (one shared segment cache)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.segments = SegmentCache(4096)
+        self._lock = threading.Lock()  # SegmentCache is an OrderedDict: one writer at a time
+
+    def render(self, request: ChatRequest) -> Prompt:
+        """The prompt of the whole conversation; ApiError(400) naming the bad message field."""
+        try:
+            system, history, current = split_conversation(request.messages)
+        except RenderError as e:
+            raise _bad(e.reason, _message_param(e, 0), "invalid_message") from None
+        # Check exchanges here, where their offsets in `messages` are known, so an error names
+        # the message by its index in the request.
+        offset = 1 if system is not None else 0
+        for k, exchange in enumerate([*history, current]):
+            try:
+                validate_exchange(exchange, complete=k < len(history))
+            except RenderError as e:
+                raise _bad(e.reason, _message_param(e, offset), "invalid_message") from None
+            offset += len(exchange)
+        try:
+            with self._lock:
+                return build_prompt(
+                    self.engine.tokenizer.encode,
+                    system=system,
+                    history=history,
+                    current=current,
+                    max_exchanges=10**9,  # stateless clients send what they want seen: keep all
+                    max_tokens=None,  # the context check is ours, with a clear 400
+                    variant=self.engine.entry.template,
+                    enable_thinking=request.enable_thinking,
+                    tools=request.tools,
+                    preserve_thinking=request.preserve_thinking,
+                    cache=self.segments,
+                )
+        except RenderError as e:
+            param = "tools" if e.field == "tools" else _message_param(e, 0)
+            raise _bad(str(e), param, "invalid_message") from None
+
+
+def output_budget(request: ChatRequest, prompt_tokens: int, window: int, default: int) -> int:
+    """max_tokens for the request; ApiError(400) if the prompt leaves no room in the window."""
+    if prompt_tokens >= window:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {window} tokens, but the messages take "
+            f"{prompt_tokens} tokens. Shorten the conversation (the server never drops "
+            "messages).",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    if request.max_tokens is None:
+        return min(default, window - prompt_tokens)
+    if prompt_tokens + request.max_tokens > window:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {window} tokens. However, you requested "
+            f"{prompt_tokens + request.max_tokens} tokens ({prompt_tokens} in the messages, "
+            f"{request.max_tokens} in the completion). Reduce the length of the messages or "
+            "the completion.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return request.max_tokens
+
+
+def _partial_suffix(text: str, needles: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of one of `needles`."""
+    best = 0
+    for needle in needles:
+        for k in range(min(len(needle) - 1, len(text)), best, -1):
+            if text.endswith(needle[:k]):
+                best = k
+                break
+    return best
+
+
+@dataclass
+class Message:
+    """The final assistant message of a completion."""
+
+    content: str | None
+    reasoning: str | None
+    tool_calls: list[ToolCall]
+    tool_call_error: str | None
+
+    def openai_tool_calls(self) -> list[dict]:
+        return [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            }
+            for c in self.tool_calls
+        ]
+
+
+class OutputText:
+    """Generated text, piece by piece, as the client sees it.
+
+    `add(piece)` returns the new (reasoning, content) text; text that might still turn into a
+    stop string, `</think>` or `<tool_call>` is held back until it is clear. Streamed deltas
+    concatenate to exactly what `message()` returns for the whole text (the same
+    `split_reasoning`/`parse_tool_calls` the Python API uses). Stop strings apply to the
+    whole generated text (reasoning included) and are never shown.
+    """
+
+    def __init__(self, thinking: bool, stop: Sequence[str] = ()):
+        self.thinking = thinking
+        self.stop_strings = list(stop)
+        self.raw = ""
+        self.stopped = False  # a stop string matched: generation must end
+        self._sent = ("", "")
+
+    def add(self, piece: str) -> tuple[str, str]:
+        if self.stopped or not piece:
+            return "", ""
+        start = len(self.raw)
+        self.raw += piece
+        hits = [
+            i for s in self.stop_strings if (i := self.raw.find(s, max(0, start - len(s) + 1))) >= 0
+        ]
+        if hits:
+            self.raw = self.raw[: min(hits)]
+            self.stopped = True
+        return self._delta(final=False)
+
+    def flush(self) -> tuple[str, str]:
+        """Everything still held back, once generation has ended."""
+        return self._delta(final=True)
+
+    def message(self) -> Message:
+        reasoning, answer = split_reasoning(self.raw, self.thinking)
+        content, calls, error = parse_tool_calls(answer)
+        if not calls:
+            content = answer  # no calls, or malformed markup: show the answer as it came
+        return Message(content, reasoning, calls, error)
+
+    def _visible(self, final: bool) -> tuple[str, str]:
+        raw = self.raw
+        if not final and not self.stopped:
+            raw = raw[: len(raw) - _partial_suffix(raw, self.stop_strings)]
+        if not self.thinking:
+            reasoning, answer = "", raw
+        elif THINK_END in raw:
+            reasoning, _, answer = raw.partition(THINK_END)
+        else:
+            held = 0 if final else _partial_suffix(raw, [THINK_END])
+            reasoning, answer = raw[: len(raw) - held], ""
+        if final:
+            m = self.message()
+            return m.reasoning or "", m.content or ""
+        if TOOL_CALL in answer:
+            answer = answer[: answer.index(TOOL_CALL)]
+        else:
+            answer = answer[: len(answer) - _partial_suffix(answer, [TOOL_CALL])]
+        # Trailing whitespace is held back: the final message is stripped.
+        return reasoning.strip(), answer.strip()
+
+    def _delta(self, final: bool) -> tuple[str, str]:
+        new = self._visible(final)
+        out = []
+        for sent, now in zip(self._sent, new):
+            # Visible text only grows (see the class docstring); anything else is held.
+            out.append(now[len(sent) :] if now.startswith(sent) else "")
+        self._sent = tuple(
+            now if now.startswith(sent) else sent for sent, now in zip(self._sent, new)
+        )
+        return out[0], out[1]

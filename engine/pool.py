@@ -1,0 +1,110 @@
+"""A pool of cached token sequences shared by stateless requests (the server's reuse store).
+
+Every request carries its whole conversation, so reuse is found by token ids alone: a request
+goes to the sequence that can restore the longest prefix of its prompt. A conversation that
+continues (the previous prompt up to its answer's `<|im_start|>assistant\\n`) takes that
+sequence over in place; a request that branches off earlier (another conversation with the
+same system prompt, an edited message) gets a copy of the shared prefix in another slot, so the
+conversation it branched from keeps its cache. All sequences count against `engine.budget`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from .cache import KVCache
+from .generate import eval_caches
+from .sequence import CachedSequence
+
+DEFAULT_SEQUENCES = 8
+
+
+class PooledSequence(CachedSequence):
+    """A CachedSequence with the pool's bookkeeping."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.stamp = 0  # pool recency (LRU among sequences)
+        # End of the last served prompt's generation head: what lies beyond it is only that
+        # prompt's answer, which the next turn of the same conversation re-renders anyway.
+        self.protected = 0
+
+
+def fork(src: CachedSequence, pos: int, dst: CachedSequence) -> None:
+    """Make `dst` hold `src`'s first `pos` tokens (a snapshot of `src` or its live end).
+
+    The KV rows below `pos` are copied out of `src`'s buffer (still valid: `src` has not rewound
+    below its snapshots); recurrent layers take the snapshot's immutable arrays by reference.
+    `dst` shares `src`'s snapshots at or below `pos`, so the budget counts them twice: it errs
+    on the safe side.
+    """
+    if pos == len(src.tokens):
+        layers = [c.snapshot() for c in src.caches]
+    else:
+        layers = src.snapshots[pos].layers
+        src.snapshots[pos].touch()  # used: recent for the budget's LRU
+    dst.drop_cache()
+    for d, s, layer in zip(dst.caches, src.caches, layers):
+        if isinstance(d, KVCache):
+            d.load_state(s.keys[:, :, :pos], s.values[:, :, :pos])
+        else:
+            d.restore(layer)
+    eval_caches(dst.caches)  # materialize the copies now, before `src` moves on
+    dst.tokens = list(src.tokens[:pos])
+    dst.snapshots = {p: snap for p, snap in src.snapshots.items() if p <= pos}
+
+
+class SequencePool:
+    """Up to `size` cached sequences; `acquire` routes a prompt to the best one.
+
+    Not thread-safe: only the model-owner thread uses it.
+    """
+
+    def __init__(self, engine, size: int = DEFAULT_SEQUENCES):
+        if size < 1:
+            raise ValueError(f"the pool needs at least one sequence, got {size}")
+        self.engine = engine
+        self.size = size
+        self.sequences: list[PooledSequence] = []
+        self._clock = itertools.count(1)
+        self.forks = 0
+
+    def acquire(self, ids: Sequence[int], generation_start: int | None) -> PooledSequence:
+        """The sequence to generate `ids` on: the one reusing the most (ties: least recent).
+
+        If nothing is reusable, a new slot or the least recently used one. If the best one would
+        have to discard cached work beyond its last answer, its prefix is forked into another
+        slot instead (when there is one).
+        """
+        best, reuse = None, 0
+        for seq in sorted(self.sequences, key=lambda s: s.stamp):  # oldest first: ties -> LRU
+            r = seq.reusable(ids)
+            if r > reuse:
+                best, reuse = seq, r
+        if best is None:
+            seq = self._slot(exclude=None)
+        elif reuse >= best.protected:
+            seq = best
+        else:
+            seq = self._slot(exclude=best)
+            if seq is not best:
+                fork(best, reuse, seq)
+                self.forks += 1
+                self.engine.budget.enforce(active=seq)
+        seq.stamp = next(self._clock)
+        seq.protected = generation_start if generation_start is not None else len(ids)
+        return seq
+
+    def _slot(self, exclude: PooledSequence | None) -> PooledSequence:
+        """A new sequence while the pool has room, else the least recently used one."""
+        if len(self.sequences) < self.size:
+            seq = PooledSequence(self.engine)
+            self.sequences.append(seq)
+            return seq
+        others = [s for s in self.sequences if s is not exclude] or self.sequences
+        return min(others, key=lambda s: s.stamp)
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(s.cache_bytes for s in self.sequences)

@@ -1,0 +1,469 @@
+"""`chatml serve`: an OpenAI-compatible HTTP server (Starlette on uvicorn) for one model.
+
+Routes: `POST /v1/chat/completions` (streaming with SSE or not), `GET /v1/models`,
+`GET /health`. Requests are stateless: each carries the whole conversation. The handler checks
+and renders it (any thread), then queues a job for the one model-owner thread, which routes the
+prompt to the `SequencePool` sequence that reuses the most, generates, and sends the text
+back to the event loop piece by piece. A client that goes away cancels its job at the next
+token; the sequence keeps what it computed (valid state), nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import anyio
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from renderer import Prompt
+
+from .completion import ApiError, ChatRequest, OutputText, Renderer, output_budget, parse_request
+from .pool import DEFAULT_SEQUENCES, SequencePool
+from .sampling import Sampler
+from .sequence import Progress
+from .tokenizer import StreamDecoder
+
+log = logging.getLogger("chatml.server")
+
+DEFAULT_MAX_TOKENS = 512  # when a request sets no max_tokens (capped by the context window)
+MAX_BODY_BYTES = 4 << 20
+MAX_QUEUED = 64  # jobs waiting for the model; beyond that, 503 (clients retry)
+
+
+@dataclass
+class ServerConfig:
+    model: str = "tiny"  # the id /v1/models reports
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    sequences: int = DEFAULT_SEQUENCES
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_queued: int = MAX_QUEUED
+    context_window: int | None = None  # default: the model's
+
+
+# ----- the model-owner thread ---------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """One completion for the worker; `emit` hands events to the request's event loop."""
+
+    prompt: Prompt
+    request: ChatRequest
+    max_tokens: int
+    emit: Callable[[tuple], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+@dataclass
+class Result:
+    message: object  # completion.Message
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class ModelWorker:
+    """The one thread that runs the model: jobs from a queue, in order, under `engine.lock`.
+
+    Events sent through `job.emit`: ("first",) once the first token exists (the prompt is
+    in), ("delta", reasoning, content) for visible text, then ("done", Result) or
+    ("error", ApiError).
+    """
+
+    def __init__(self, engine, sequences: int = DEFAULT_SEQUENCES):
+        self.engine = engine
+        self.pool = SequencePool(engine, sequences)
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.stopping = threading.Event()
+        self.completed = 0
+        self._thread = threading.Thread(target=self._loop, name="chatml-model", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.stopping.set()  # the running job ends at its next token
+        self.jobs.put(None)
+        self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        self.jobs.put(job)
+
+    def _loop(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            if job.cancelled.is_set() or self.stopping.is_set():
+                job.emit(("error", ApiError(499, "the request was cancelled", code="cancelled")))
+                continue
+            try:
+                with self.engine.lock:
+                    result = self._run(job)
+                    # The active sequence was exempt while it ran; now the budget holds for all.
+                    self.engine.budget.enforce()
+                job.emit(("done", result))
+            except Exception as e:  # keep serving; the sequence has rolled back
+                log.exception("generation failed")
+                job.emit(("error", ApiError(500, f"generation failed: {e}", type="server_error")))
+            self.completed += 1
+
+    def _run(self, job: Job) -> Result:
+        prompt, request = job.prompt, job.request
+        b = prompt.boundaries
+        stops = {b.system_end, *b.message_starts, *b.assistant_starts, b.generation_start or 0}
+        seq = self.pool.acquire(prompt.ids, b.generation_start)
+        progress = Progress()
+        thinking = prompt.text.endswith("<think>\n")  # the generation prompt opened a think block
+        out, detok = OutputText(thinking, request.stop), StreamDecoder(self.engine.tokenizer)
+        tokens = seq.generate(
+            prompt.ids, stops=stops, sampler=Sampler(request.params), max_tokens=job.max_tokens,
+            progress=progress,
+        )  # fmt: skip
+        try:
+            for token in tokens:
+                if len(progress.tokens) == 1:
+                    job.emit(("first",))
+                piece = detok.add(token)
+                if piece:
+                    self._send(job, out.add(piece))
+                if out.stopped or job.cancelled.is_set() or self.stopping.is_set():
+                    tokens.close()  # an early finish keeps the prompt's cache (see generate)
+                    break
+            else:
+                self._send(job, out.add(detok.flush()))
+        finally:
+            tokens.close()  # settle the sequence at the valid state it reached
+        self._send(job, out.flush())
+        message = out.message()
+        finish = progress.finish
+        if out.stopped:
+            finish = "stop"
+        elif message.tool_calls:
+            finish = "tool_calls"
+        elif job.cancelled.is_set():
+            finish = "cancelled"
+        return Result(message, finish, len(prompt.ids), len(progress.tokens), progress.reused)
+
+    @staticmethod
+    def _send(job: Job, delta: tuple[str, str]) -> None:
+        if delta[0] or delta[1]:
+            job.emit(("delta", *delta))
+
+
+# ----- HTTP ---------------------------------------------------------------------------------
+
+
+def _error(e: ApiError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+class BearerAuth:
+    """ASGI middleware: every route but /health needs `Authorization: Bearer KEY`."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+            e = ApiError(401, "Incorrect or missing API key (Authorization: Bearer KEY).",
+                         code="invalid_api_key")  # fmt: skip
+            return await _error(e)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+async def _read_json(request: Request, limit: int):
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
+    body, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:  # chunked bodies have no Content-Length: count as they come
+            raise ApiError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
+        body.append(chunk)
+    try:
+        return json.loads(b"".join(body))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(
+            400, f"the request body is not valid JSON: {e}", code="invalid_json"
+        ) from None
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """Cancel `job` when the client goes away (the body has been read: only that can come)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel()
+            return
+
+
+class ServerApp:
+    """The Starlette application around one engine and its model-owner thread."""
+
+    def __init__(self, engine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.window = config.context_window or engine.entry.context_window
+        self.renderer = Renderer(engine)
+        self.worker = ModelWorker(engine, config.sequences)
+        routes = [
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ]
+        handlers = {HTTPException: self._http_error, Exception: self._server_error}
+        self.starlette = Starlette(
+            routes=routes, exception_handlers=handlers, lifespan=self._lifespan
+        )
+        self.asgi = BearerAuth(self.starlette, config.api_key) if config.api_key else self.starlette
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.asgi(scope, receive, send)
+
+    @asynccontextmanager
+    async def _lifespan(self, app) -> AsyncIterator[None]:
+        self.worker.start()
+        try:
+            yield
+        finally:
+            await anyio.to_thread.run_sync(self.worker.stop)
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return _error(ApiError(exc.status_code, str(exc.detail), code=code))
+
+    async def _server_error(self, request: Request, exc: Exception) -> Response:
+        return _error(ApiError(500, f"internal error: {exc}", type="server_error"))
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse(
+            {"status": "ok", "model": self.config.model, "queued": self.worker.jobs.qsize()}
+        )
+
+    async def models(self, request: Request) -> Response:
+        entry = {
+            "id": self.config.model, "object": "model", "created": 0, "owned_by": "chatml-engine",
+            "context_window": self.window,
+        }  # fmt: skip
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def chat(self, request: Request) -> Response:
+        try:
+            body = await _read_json(request, self.config.max_body_bytes)
+            chat = parse_request(body)
+            prompt = await anyio.to_thread.run_sync(self.renderer.render, chat)
+            max_tokens = output_budget(chat, len(prompt.ids), self.window, self.config.max_tokens)
+            if self.worker.jobs.qsize() >= self.config.max_queued:
+                raise ApiError(503, "the server is busy; retry later", type="server_error",
+                               code="overloaded")  # fmt: skip
+        except ApiError as e:
+            return _error(e)
+
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def emit(event: tuple) -> None:  # called on the worker thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the loop is gone (shutdown): nobody is listening
+                job.cancel()
+
+        job = Job(prompt, chat, max_tokens, emit)
+        self.worker.submit(job)
+        watcher = asyncio.ensure_future(_watch_disconnect(request, job))
+        try:
+            first = await events.get()  # headers wait until the prompt is in: errors stay HTTP
+        except BaseException:
+            job.cancel()
+            watcher.cancel()
+            raise
+        if first[0] == "error":
+            watcher.cancel()
+            return _error(first[1])
+        ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if chat.stream:
+            stream = self._stream(chat, job, events, first, watcher, ident, created)
+            return _Stream(stream, job, media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache"})  # fmt: skip
+        try:
+            event = first
+            while event[0] not in ("done", "error"):
+                event = await events.get()
+        finally:
+            job.cancel()  # no-op once done; stops the work if this handler is torn down
+            watcher.cancel()
+        if event[0] == "error":
+            return _error(event[1])
+        return JSONResponse(self._completion(event[1], ident, created))
+
+    def _usage(self, r: Result) -> dict:
+        return {
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens,
+            "total_tokens": r.prompt_tokens + r.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
+        }
+
+    def _completion(self, r: Result, ident: str, created: int) -> dict:
+        m = r.message
+        message: dict = {"role": "assistant", "content": m.content}
+        if m.reasoning is not None:
+            message["reasoning_content"] = m.reasoning
+        if m.tool_calls:
+            message["tool_calls"] = m.openai_tool_calls()
+            message["content"] = m.content or None
+        return {
+            "id": ident, "object": "chat.completion", "created": created,
+            "model": self.config.model,
+            "choices": [{"index": 0, "message": message, "finish_reason": r.finish_reason}],
+            "usage": self._usage(r),
+        }  # fmt: skip
+
+    async def _stream(self, chat, job, events, event, watcher, ident, created):
+        def chunk(delta: dict | None = None, finish: str | None = None, **extra) -> str:
+            choices = [] if delta is None else [
+                {"index": 0, "delta": delta, "finish_reason": finish}
+            ]  # fmt: skip
+            body = {
+                "id": ident, "object": "chat.completion.chunk", "created": created,
+                "model": self.config.model, "choices": choices, **extra,
+            }  # fmt: skip
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            while True:
+                if event[0] == "delta":
+                    _, reasoning, content = event
+                    if reasoning:
+                        yield chunk({"reasoning_content": reasoning})
+                    if content:
+                        yield chunk({"content": content})
+                elif event[0] == "error":
+                    yield f"data: {json.dumps(event[1].body())}\n\n"
+                    break
+                elif event[0] == "done":
+                    r: Result = event[1]
+                    calls = r.message.tool_calls and r.message.openai_tool_calls()
+                    if calls:
+                        deltas = [{"index": i, **c} for i, c in enumerate(calls)]
+                        yield chunk({"tool_calls": deltas})
+                    yield chunk({}, r.finish_reason)
+                    if chat.include_usage:
+                        yield chunk(None, usage=self._usage(r))
+                    break
+                event = await events.get()
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel()
+            watcher.cancel()
+
+
+class _Stream(StreamingResponse):
+    """A streaming response that cancels its job however it ends (a failed send included)."""
+
+    def __init__(self, content, job: Job, **kwargs):
+        super().__init__(content, **kwargs)
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+
+
+def create_app(engine, config: ServerConfig | None = None) -> ServerApp:
+    """The ASGI application for `engine` (its lifespan starts and stops the model thread)."""
+    return ServerApp(engine, config or ServerConfig())
+
+
+# ----- running it ---------------------------------------------------------------------------
+
+
+class BackgroundServer:
+    """uvicorn in a thread on an already bound socket (tests, benchmarks): `url`, `stop()`."""
+
+    def __init__(self, engine, config: ServerConfig | None = None):
+        config = config or ServerConfig(port=0)
+        self.app = create_app(engine, config)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((config.host, config.port))
+        host, port = self.sock.getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5
+            )
+        )
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(30)
+        self.sock.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    """`chatml serve`: load the model, serve until interrupted."""
+    import engine as engine_pkg
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        log.warning(
+            "serving on %s without --api-key: anyone who can reach it can use it", args.host
+        )
+    eng = engine_pkg.load(args.model, cache_bytes=args.cache_bytes)
+    config = ServerConfig(
+        model=args.model, host=args.host, port=args.port, api_key=args.api_key,
+        sequences=args.sequences, max_tokens=args.max_tokens,
+    )  # fmt: skip
+    print(f"chatml serve: {args.model} on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(create_app(eng, config), host=args.host, port=args.port, log_level="info")
+    return 0

@@ -1,0 +1,428 @@
+"""The OpenAI-compatible server on `tiny`, live on 127.0.0.1, through the official client.
+
+Exactness reference: a fresh full prefill of the same prompt ids plus greedy decoding, with
+no cache, no snapshots and no server (`fresh_answer`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from engine.completion import OutputText, Renderer, parse_request
+from engine.generate import decode, prefill
+from engine.sampling import Sampler, SamplingParams
+from engine.server import BackgroundServer, ServerConfig
+from engine.tokenizer import StreamDecoder
+
+WINDOW = 4096  # a small context window keeps the too-long-prompt check cheap
+MAX_TOKENS = 6  # decoding dominates test time (~40 ms a token on 2 busy cores)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    with BackgroundServer(tiny, ServerConfig(port=0, context_window=WINDOW)) as srv:
+        yield srv
+
+
+def client(srv, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def ask(c: openai.OpenAI, messages: list, **kw):
+    kw = {"max_tokens": MAX_TOKENS, "temperature": 0, **kw}
+    return c.chat.completions.create(model="tiny", messages=messages, **kw)
+
+
+def prompt_of(engine, messages: list, **body):
+    return Renderer(engine).render(parse_request({"messages": messages, **body}))
+
+
+def fresh_answer(engine, messages: list, max_tokens: int = MAX_TOKENS, **body) -> str:
+    """Greedy answer from a full prefill on empty caches (no snapshots, no reuse)."""
+    prompt = prompt_of(engine, messages, **body)
+    with engine.lock:  # the server's model thread may be between jobs: one user at a time
+        caches = engine.model.make_caches()
+        logits, _ = prefill(engine.model, caches, prompt.ids, 0)
+        detok, raw = StreamDecoder(engine.tokenizer), ""
+        for token in decode(
+            engine.model, caches, logits, Sampler(SamplingParams()),
+            max_tokens=max_tokens, stop_ids=engine.stop_ids, history=list(prompt.ids),
+        ):  # fmt: skip
+            if token in engine.stop_ids:
+                break
+            raw += detok.add(token)
+        raw += detok.flush()
+    out = OutputText(prompt.text.endswith("<think>\n"))
+    out.add(raw)
+    return out.message().content
+
+
+def expected_reuse(previous, prompt) -> int:
+    """Where a prompt resumes after `previous`: its deepest snapshot point within both.
+
+    The server snapshots every prompt at the renderer's boundaries and at its end; the answer
+    generated after it is re-rendered differently (no think block), so it never counts.
+    """
+    b = previous.boundaries
+    points = {b.system_end, *b.message_starts, *b.assistant_starts, b.generation_start,
+              len(previous.ids)}  # fmt: skip
+    common = 0
+    while common < min(len(previous.ids), len(prompt.ids)) and (
+        previous.ids[common] == prompt.ids[common]
+    ):
+        common += 1
+    return max(p for p in points if p <= min(common, len(prompt.ids) - 1))
+
+
+def post(srv, body, **kw) -> httpx.Response:
+    return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=30, **kw)
+
+
+# ----- conversations ------------------------------------------------------------------------
+
+
+def test_no_hidden_conversation_state(tiny, server):
+    c = client(server)
+    system = {"role": "system", "content": "You remember nothing between requests."}
+    first = [system, {"role": "user", "content": "My order number is 48213."}]
+    a1 = ask(c, first).choices[0].message.content
+    ask(c, first + [{"role": "assistant", "content": a1}, {"role": "user", "content": "Thanks"}])
+    alone = [system, {"role": "user", "content": "What is my order number?"}]
+    second = ask(c, alone)
+    with BackgroundServer(tiny, ServerConfig(port=0, context_window=WINDOW)) as fresh:
+        reference = ask(client(fresh), alone)
+    assert second.usage.prompt_tokens == reference.usage.prompt_tokens
+    assert second.choices[0].message.content == reference.choices[0].message.content
+
+
+def test_six_turns_reuse_everything_before_the_last_answer(tiny, server):
+    c = client(server)
+    messages = [{"role": "system", "content": "Six turns, resent in full each time."}]
+    previous = None
+    for turn in range(6):
+        messages.append({"role": "user", "content": f"Question {turn}: tell me about {turn * 7}."})
+        prompt = prompt_of(tiny, messages)
+        r = ask(c, messages)
+        assert r.usage.prompt_tokens == len(prompt.ids)
+        if previous is not None:
+            # Everything up to right after "<|im_start|>assistant\n" of the previous answer.
+            expected = prompt.boundaries.assistant_starts[-1]
+            assert expected == previous.boundaries.generation_start
+            assert r.usage.prompt_tokens_details.cached_tokens == expected
+            assert expected_reuse(previous, prompt) == expected
+        answer = r.choices[0].message.content
+        assert answer == fresh_answer(tiny, messages)
+        messages.append({"role": "assistant", "content": answer})
+        previous = prompt
+
+
+def test_tool_round_trip_keeps_reuse(tiny, server):
+    c = client(server)
+    tools = [{
+        "type": "function",
+        "function": {
+            "name": "get_weather", "description": "Weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "You call tools."},
+        {"role": "user", "content": "Weather in Paris?"},
+    ]
+    first = prompt_of(tiny, messages, tools=tools)
+    ask(c, messages, tools=tools)
+    # The random model does not call tools: the client's history says it did.
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})},
+        }]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'},
+    ]  # fmt: skip
+    second = prompt_of(tiny, messages, tools=tools)
+    r = ask(c, messages, tools=tools)
+    assert second.boundaries.assistant_starts[-1] == first.boundaries.generation_start
+    # The tool-call step renders its (empty) think block like the generation prompt did, so
+    # the whole first prompt is reused, not just up to its "<|im_start|>assistant\n".
+    assert second.ids[: len(first.ids)] == first.ids
+    assert r.usage.prompt_tokens_details.cached_tokens == len(first.ids)
+    answer = r.choices[0].message.content
+    assert answer == fresh_answer(tiny, messages, tools=tools)
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And Rome?"}]
+    third = prompt_of(tiny, messages, tools=tools)
+    r = ask(c, messages, tools=tools)
+    # The exchange is complete now: its tool-call step renders without the think block, so
+    # the third prompt resumes right after that step's "<|im_start|>assistant\n".
+    assert r.usage.prompt_tokens_details.cached_tokens == expected_reuse(second, third)
+    assert expected_reuse(second, third) == third.boundaries.assistant_starts[0]
+
+
+def test_stream_equals_non_stream_and_reports_usage(tiny, server):
+    c = client(server)
+    messages = [{"role": "user", "content": "Stream me something."}]
+    plain = ask(c, messages, max_tokens=12)
+    pieces, usage, finish = [], None, None
+    for chunk in ask(c, messages, max_tokens=12, stream=True,
+                     stream_options={"include_usage": True}):  # fmt: skip
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == plain.choices[0].message.content
+    assert finish == plain.choices[0].finish_reason == "length"
+    assert usage.prompt_tokens == plain.usage.prompt_tokens
+    assert usage.completion_tokens == 12
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt, just sent
+
+
+def test_thinking_is_returned_as_reasoning_content(tiny, server):
+    messages = [{"role": "user", "content": "Think first."}]
+    body = {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}
+    assert prompt_of(tiny, messages, chat_template_kwargs={"enable_thinking": True}).text.endswith(
+        "<think>\n"
+    )
+    r = ask(client(server), messages, **body)
+    message = r.choices[0].message
+    # Eight random tokens never close the think block: all of it is reasoning.
+    assert message.content == ""
+    assert message.reasoning_content == fresh_answer_reasoning(tiny, messages)
+
+
+def fresh_answer_reasoning(engine, messages):
+    prompt = prompt_of(engine, messages, chat_template_kwargs={"enable_thinking": True})
+    with engine.lock:
+        caches = engine.model.make_caches()
+        logits, _ = prefill(engine.model, caches, prompt.ids, 0)
+        tokens = list(
+            decode(
+                engine.model,
+                caches,
+                logits,
+                Sampler(SamplingParams()),
+                max_tokens=MAX_TOKENS,
+                stop_ids=engine.stop_ids,
+                history=list(prompt.ids),
+            )  # fmt: skip
+        )
+    assert not set(tokens) & set(engine.stop_ids) and len(tokens) == MAX_TOKENS
+    out = OutputText(thinking=True)
+    out.add(engine.tokenizer.decode(tokens))
+    return out.message().reasoning
+
+
+def test_stop_strings_cut_the_answer(server):
+    c = client(server)
+    messages = [{"role": "user", "content": "Say a long sentence."}]
+    full = ask(c, messages, max_tokens=16).choices[0].message.content
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    expected = full[: full.index(stop)].strip()
+    r = ask(c, messages, max_tokens=16, stop=[stop])
+    assert r.choices[0].message.content == expected
+    assert r.choices[0].finish_reason == "stop"
+    streamed = "".join(
+        ch.choices[0].delta.content or ""
+        for ch in ask(c, messages, max_tokens=16, stop=stop, stream=True)
+        if ch.choices
+    )
+    assert streamed == expected
+
+
+def test_disconnect_mid_stream_stops_generation(tiny, server):
+    messages = [{"role": "user", "content": "Talk for a long time."}]
+    worker = server.app.worker
+    done = worker.completed
+    body = {"model": "tiny", "messages": messages, "max_tokens": 1500, "temperature": 0,
+            "stream": True}  # fmt: skip
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            seen = [line for line, _ in zip(lines, range(4))]
+    assert all(line.startswith("data: ") or not line for line in seen)
+    deadline = time.monotonic() + 20
+    while worker.completed == done and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert worker.completed == done + 1
+    ids = prompt_of(tiny, messages).ids
+    held = [s.tokens for s in worker.pool.sequences if s.tokens[: len(ids)] == ids]
+    assert held and len(held[0]) - len(ids) < 200  # stopped long before 1500 tokens
+    # The sequence is consistent: the same prompt now reuses it and answers exactly.
+    r = ask(client(server), messages)
+    assert r.usage.prompt_tokens_details.cached_tokens > 0
+    assert r.choices[0].message.content == fresh_answer(tiny, messages)
+
+
+# ----- errors -------------------------------------------------------------------------------
+
+
+def test_api_key(tiny):
+    with BackgroundServer(tiny, ServerConfig(port=0, api_key="s3cret")) as srv:
+        with pytest.raises(openai.AuthenticationError):
+            client(srv, "wrong").models.list()
+        r = httpx.get(srv.url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(srv.url + "/health").status_code == 200  # health needs no key
+        assert client(srv, "s3cret").models.list().data[0].id == "tiny"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        (
+            {
+                "messages": [
+                    {"role": "system", "content": "s"},
+                    {"role": "user", "content": "a"},
+                    {"role": "tool", "content": "r"},
+                ]
+            },
+            "messages[2].role",
+        ),  # fmt: skip
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 5}, "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": {}}, "tools"),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "chat_template_kwargs": {"enable_thinking": "yes"},
+            },
+            "chat_template_kwargs.enable_thinking",
+        ),  # fmt: skip
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": WINDOW}, "max_tokens"),
+    ],
+)
+def test_bad_requests_name_the_field(server, body, param):
+    r = post(server, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert error["message"]
+
+
+def test_malformed_json_too_long_and_too_large(server):
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{nope", timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    long = {"messages": [{"role": "user", "content": "word " * WINDOW}]}
+    r = post(server, long)
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert f"maximum context length is {WINDOW}" in r.json()["error"]["message"]
+    huge = {"messages": [{"role": "user", "content": "x" * (4 << 20)}]}
+    assert post(server, huge).status_code == 413
+    with pytest.raises(openai.BadRequestError) as e:  # through the official client too
+        ask(client(server), [{"role": "user", "content": "hi"}, {"role": "narrator"}])
+    assert e.value.body["param"] == "messages[1].role"
+
+
+def test_health_models_and_unknown_route(server):
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    assert client(server).models.list().data[0].id == "tiny"
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+# ----- concurrency and memory ---------------------------------------------------------------
+
+
+def conversation(c, k: int, turns: int, check=None) -> list[str]:
+    messages = [{"role": "system", "content": "Parallel clients share this system prompt."}]
+    answers = []
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"client {k} turn {t}"})
+        answer = ask(c, messages, max_tokens=4).choices[0].message.content
+        if check is not None:
+            check()
+        answers.append(answer)
+        messages.append({"role": "assistant", "content": answer})
+    return answers
+
+
+def test_parallel_clients_exact_and_within_budget(tiny, server):
+    sequential = [conversation(client(server), k, 5) for k in range(4)]
+    budget, old = tiny.budget, tiny.budget.max_bytes
+    seen: list[tuple[int, int]] = []
+    evictions = budget.evictions
+
+    def check():
+        with tiny.lock:  # between jobs: the model thread has enforced the budget
+            seen.append((budget.used(), budget.max_bytes))
+
+    # A pool smaller than the clients and a budget of a few sequences: LRU takeovers, forks
+    # of the shared system prompt and evictions all happen.
+    config = ServerConfig(port=0, context_window=WINDOW, sequences=3)
+    try:
+        with BackgroundServer(tiny, config) as srv:
+            live = srv.app.worker.pool
+            with tiny.lock:  # start from an empty store: earlier tests' caches go
+                budget.max_bytes = 0
+                budget.enforce()
+                # About 6 sequences' live caches: the state this run caches exceeds it.
+                budget.max_bytes = 5 << 20
+            results: dict[int, list[str]] = {}
+
+            def run(k):
+                results[k] = conversation(client(srv), k, 5, check)
+
+            threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            forks = live.forks
+    finally:
+        budget.max_bytes = old
+    assert [results.get(k) for k in range(4)] == sequential
+    assert len(seen) == 20 and all(used <= limit for used, limit in seen)
+    assert forks > 0 and budget.evictions > evictions
+
+
+# ----- output text (no model) ---------------------------------------------------------------
+
+
+def _pieces(text: str, size: int = 3) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+@pytest.mark.parametrize(
+    "raw, thinking, stop",
+    [
+        ("  plain answer  with spaces \n", False, []),
+        ("reasoning here\n</think>\n\nThe answer.", True, []),
+        ("never finished thinking", True, []),
+        (
+            "Calling.\n<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n"
+            "</tool_call>",
+            False,
+            [],
+        ),  # fmt: skip
+        ("bad <tool_call> markup", False, []),
+        ("one two STOP three", False, ["STOP"]),
+        ("think STOP more</think>x", True, ["STOP", "zz"]),
+    ],
+)
+def test_streamed_deltas_add_up_to_the_message(raw, thinking, stop):
+    out = OutputText(thinking, stop)
+    reasoning = content = ""
+    for piece in _pieces(raw):
+        r, c = out.add(piece)
+        reasoning, content = reasoning + r, content + c
+    r, c = out.flush()
+    reasoning, content = reasoning + r, content + c
+    message = out.message()
+    assert content == message.content
+    assert reasoning == (message.reasoning or "")
+    assert all(s not in content + reasoning for s in stop)
+    if "<function=f>" in raw:
+        assert message.content == "Calling."
+        assert [(t.name, t.arguments) for t in message.tool_calls] == [("f", {"x": 1})]
