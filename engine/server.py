@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -35,7 +36,7 @@ from starlette.routing import Route
 from renderer import Prompt
 
 from .completion import ApiError, ChatRequest, OutputText, Renderer, output_budget, parse_request
-from .pool import DEFAULT_SEQUENCES, SequencePool
+from .pool import DEFAULT_SEQUENCES, PooledSequence, SequencePool
 from .sampling import Sampler
 from .sequence import Progress
 from .tokenizer import StreamDecoder
@@ -58,6 +59,7 @@ class ServerConfig:
     max_tokens: int = DEFAULT_MAX_TOKENS
     max_queued: int = MAX_QUEUED
     context_window: int | None = None  # default: the model's
+    warm: bool = True  # prefill each answered conversation's next prompt while idle
 
 
 # ----- the model-owner thread ---------------------------------------------------------------
@@ -94,9 +96,13 @@ class ModelWorker:
     ("error", ApiError).
     """
 
-    def __init__(self, engine, sequences: int = DEFAULT_SEQUENCES):
+    def __init__(self, engine, sequences: int = DEFAULT_SEQUENCES, renderer=None, warm=True):
         self.engine = engine
         self.pool = SequencePool(engine, sequences)
+        self.renderer = renderer or Renderer(engine)
+        self.warm = warm  # idle-time prefill of each answered conversation's next prompt
+        self.warmed_tokens = 0
+        self.idle = threading.Event()  # set while waiting for a job (after any warm-up)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.stopping = threading.Event()
         self.completed = 0
@@ -113,23 +119,60 @@ class ModelWorker:
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
 
+    def _next(self) -> Job | None:
+        self.idle.set()
+        job = self.jobs.get()
+        self.idle.clear()
+        return job
+
     def _loop(self) -> None:
-        while (job := self.jobs.get()) is not None:
+        while (job := self._next()) is not None:
             if job.cancelled.is_set() or self.stopping.is_set():
                 job.emit(("error", ApiError(499, "the request was cancelled", code="cancelled")))
                 continue
             try:
                 with self.engine.lock:
-                    result = self._run(job)
+                    result, seq = self._run(job)
                     # The active sequence was exempt while it ran; now the budget holds for all.
                     self.engine.budget.enforce()
                 job.emit(("done", result))
             except Exception as e:  # keep serving; the sequence has rolled back
                 log.exception("generation failed")
                 job.emit(("error", ApiError(500, f"generation failed: {e}", type="server_error")))
+            else:
+                if self.warm and result.finish_reason in ("stop", "tool_calls", "length"):
+                    self._warm(job, result, seq)
             self.completed += 1
 
-    def _run(self, job: Job) -> Result:
+    def _warm(self, job: Job, result: Result, seq) -> None:
+        """While no request waits, prefill what this conversation's next request starts with.
+
+        A client resends the conversation plus this answer and one new message; everything up
+        to that message is known now (the answer as the template re-renders it). A new job
+        interrupts the work at the next chunk; the next request reuses only what matches.
+        """
+        m = result.message
+        answer: dict = {"role": "assistant", "content": m.content or ""}
+        if m.tool_calls:
+            answer["tool_calls"] = m.openai_tool_calls()
+            nxt = {"role": "tool", "content": "x"}  # the results continue this exchange
+        else:
+            nxt = {"role": "user", "content": "x"}
+        request = dataclasses.replace(job.request, messages=[*job.request.messages, answer, nxt])
+        try:
+            prompt = self.renderer.render(request)
+        except ApiError:
+            return  # nothing to prepare (e.g. the answer itself is not renderable)
+        b = prompt.boundaries
+        prefix = prompt.ids[: b.message_starts[-1]]
+        stops = {b.system_end, *b.message_starts[:-1], *b.assistant_starts}
+        start, end = seq.extend(
+            prefix, stops=stops,
+            cancelled=lambda: not self.jobs.empty() or self.stopping.is_set(),
+        )  # fmt: skip
+        self.warmed_tokens += end - start
+
+    def _run(self, job: Job) -> tuple[Result, PooledSequence]:
         prompt, request = job.prompt, job.request
         b = prompt.boundaries
         stops = {b.system_end, *b.message_starts, *b.assistant_starts, b.generation_start or 0}
@@ -164,7 +207,7 @@ class ModelWorker:
             finish = "tool_calls"
         elif job.cancelled.is_set():
             finish = "cancelled"
-        return Result(message, finish, len(prompt.ids), len(progress.tokens), progress.reused)
+        return Result(message, finish, len(prompt.ids), len(progress.tokens), progress.reused), seq
 
     @staticmethod
     def _send(job: Job, delta: tuple[str, str]) -> None:
@@ -235,7 +278,7 @@ class ServerApp:
         self.config = config
         self.window = config.context_window or engine.entry.context_window
         self.renderer = Renderer(engine)
-        self.worker = ModelWorker(engine, config.sequences)
+        self.worker = ModelWorker(engine, config.sequences, self.renderer, config.warm)
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),

@@ -26,7 +26,8 @@ MAX_TOKENS = 6  # decoding dominates test time (~40 ms a token on 2 busy cores)
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    with BackgroundServer(tiny, ServerConfig(port=0, context_window=WINDOW)) as srv:
+    # No idle-time warm-up here, so reuse is what the request itself found (deterministic).
+    with BackgroundServer(tiny, ServerConfig(port=0, context_window=WINDOW, warm=False)) as srv:
         yield srv
 
 
@@ -120,6 +121,28 @@ def test_six_turns_reuse_everything_before_the_last_answer(tiny, server):
         assert answer == fresh_answer(tiny, messages)
         messages.append({"role": "assistant", "content": answer})
         previous = prompt
+
+
+def test_idle_warm_up_leaves_only_the_new_message(tiny):
+    config = ServerConfig(port=0, context_window=WINDOW, warm=True)
+    with BackgroundServer(tiny, config) as srv:
+        c, worker = client(srv), srv.app.worker
+        messages = [{"role": "system", "content": "Warm between requests."}]
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"Question {turn}: what is {turn * 11}?"})
+            prompt = prompt_of(tiny, messages)
+            assert worker.idle.wait(30)  # the previous answer's warm-up is done
+            r = ask(c, messages)
+            if turn:
+                # Only "<|im_start|>user\n...<|im_end|>\n<|im_start|>assistant\n" + think prefix.
+                assert (
+                    r.usage.prompt_tokens_details.cached_tokens
+                    == prompt.boundaries.message_starts[-1]
+                )
+            answer = r.choices[0].message.content
+            assert answer == fresh_answer(tiny, messages)
+            messages.append({"role": "assistant", "content": answer})
+        assert worker.warmed_tokens > 0
 
 
 def test_tool_round_trip_keeps_reuse(tiny, server):
