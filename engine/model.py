@@ -15,13 +15,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from kernels import gated_delta as chunked_gated_delta
+
 from .cache import KVCache, RecurrentCache
 from .registry import Architecture
-
-try:  # the chunked prefill kernel (kernels/); the sequential step is the fallback
-    from kernels import gated_delta as _chunked_gated_delta
-except ImportError:  # pragma: no cover - kernels/ is part of the package
-    _chunked_gated_delta = None
 
 
 @dataclass(frozen=True)
@@ -95,8 +92,8 @@ class GatedDeltaNet(nn.Module):
         state = cache.state
         if state is None:
             state = mx.zeros((B, self.hv, self.dv, self.dk), dtype=mx.float32)
-        if T > 1 and self.options.chunked_delta and _chunked_gated_delta is not None:
-            y, state = _chunked_gated_delta(q, k, v, g, beta, state)
+        if T > 1 and self.options.chunked_delta:  # prefill: the kernel picks its fastest path
+            y, state = chunked_gated_delta(q, k, v, g, beta, state)
         else:
             y, state = mx.fast.gated_delta_update(q, k, v, g, beta, state)
         cache.update(window[:, -(self.kernel - 1) :], state, T)

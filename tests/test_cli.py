@@ -1,0 +1,51 @@
+"""`chatml models` and `chatml doctor` as a user runs them."""
+
+import json
+
+from engine import registry
+from engine.builder import parameter_count
+from engine.cli import main
+
+
+def test_models_lists_the_registry(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for name in registry.registry():
+        assert name in out
+    assert "Qwen/Qwen3.5-27B" in out and "embedded" in out
+
+
+def test_models_info_prints_architecture_and_cache_sizes(capsys):
+    assert main(["models", "info", "qwen3.5-0.8b"]) == 0
+    out = capsys.readouterr().out
+    arch = registry.get("qwen3.5-0.8b").arch
+    assert f"parameters: {parameter_count(arch):,}" in out
+    assert f"recurrent state: {arch.recurrent_state_bytes():,} bytes" in out
+    assert "KV cache: 24,576 bytes per token" in out
+    assert "18 Gated DeltaNet, 6 gated attention" in out
+
+
+def test_models_errors(capsys):
+    assert main(["models", "info", "nope"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
+    assert main(["models", "build", "tiny"]) == 2
+    assert "--out DIR is required" in capsys.readouterr().err
+
+
+def test_models_build_writes_a_loadable_checkpoint(tmp_path, capsys):
+    out = tmp_path / "tiny-seed3"
+    assert main(["models", "build", "tiny", "--out", str(out), "--seed", "3"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["text_config"]["hidden_size"] == registry.get("tiny").arch.hidden_size
+    import engine
+
+    assert engine.load(str(out)).checkpoint.path == out
+
+
+def test_doctor_reports_backend_and_blas(capsys):
+    assert main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["backend"] in ("cpu", "gpu")
+    assert report["matmul_gflops_f32"] > 0
+    assert report["blas"]
