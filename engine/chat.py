@@ -1,25 +1,74 @@
-"""`chatml chat`: a conversation on the terminal, or one answer per line of piped input."""
+"""`chatml chat` and `chatml sessions`: conversations on a terminal or from a pipe, kept on disk.
+
+On a terminal the answer streams as it is generated, input lines are edited and recalled with
+`readline`, and Ctrl+C stops an answer (the question is then not recorded). From a pipe each
+input line is one question, answered by its text and one line of token counts, so the command
+scripts well. Lines starting with `/` are commands in both modes (`/help`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import signal
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+COMMANDS = {
+    "/reset": "forget the conversation (the system prompt stays)",
+    "/history": "show the exchanges (* marks those in the model's window)",
+    "/stats": "token counts and timings of the last answer, and totals",
+    "/regenerate": "answer the last question again",
+    "/save": "/save [ID]: keep the conversation on disk (and keep saving it)",
+    "/exit": "leave (so do Ctrl+D and Ctrl+C at the prompt)",
+    "/help": "this list",
+}
+
+
+class AnswerRejected(ValueError):
+    """The answer failed `--json-schema`: the turn is rolled back, the history unchanged."""
+
+
+# ----- argument parsing ---------------------------------------------------------------------
 
 
 def add_chat_parser(sub) -> None:
     c = sub.add_parser("chat", help="chat with a model (interactive, or line by line from a pipe)")
-    c.add_argument("--model", default="tiny", help="registry alias, checkpoint folder or Hub id")
+    c.add_argument("--model", default=None,
+                   help="registry alias, checkpoint folder or Hub id (default: the session's, or tiny)")  # fmt: skip
     c.add_argument("--system", default=None, help="system prompt")
-    c.add_argument("--max-exchanges", type=int, default=6, help="exchanges kept in the window")
+    c.add_argument("--max-exchanges", type=int, default=None,
+                   help="exchanges kept in the window (default 6)")  # fmt: skip
     c.add_argument("--max-tokens", type=int, default=256, help="answer length limit")
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="thinking mode (default: the model's)")  # fmt: skip
+    c.add_argument("--session", default=None, metavar="ID",
+                   help="resume or create the conversation ID, saved under CHATML_HOME/sessions")  # fmt: skip
     c.add_argument("--no-history", action="store_true", help="every question on its own")
     c.add_argument("--stats", action="store_true", help="print token counts and timings per turn")
+    c.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a terminal, prefill the next prompt's known part while you type")  # fmt: skip
+    c.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="answers must be JSON valid against this JSON Schema")  # fmt: skip
     c.add_argument("-p", "--prompt", default=None, help="ask one question and exit")
     c.set_defaults(func=run_chat)
+
+
+def add_sessions_parser(sub) -> None:
+    s = sub.add_parser("sessions", help="list, show or remove saved conversations")
+    s.add_argument("action", nargs="?", choices=["list", "show", "rm"], default="list")
+    s.add_argument("id", nargs="?")
+    s.add_argument("--json", action="store_true", help="machine-readable output (show)")
+    s.set_defaults(func=run_sessions)
+
+
+# ----- helpers ------------------------------------------------------------------------------
 
 
 def _stats_line(turn) -> str:
@@ -31,48 +80,382 @@ def _stats_line(turn) -> str:
     )
 
 
-def run_chat(args) -> int:
-    if args.no_history and args.prompt is not None:
-        print("chatml chat: --no-history has no effect with -p (one question has no history)",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    import engine
+def _err(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
-    eng = engine.load(args.model)
-    session = eng.session(args.system, max_exchanges=args.max_exchanges,
-                          enable_thinking=args.thinking)  # fmt: skip
-    options = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    interactive = args.prompt is None and sys.stdin.isatty()
-    questions = [args.prompt] if args.prompt is not None else _lines(interactive)
-    for question in questions:
-        if not question.strip():
-            continue
-        if args.no_history:
-            session.reset()
+
+@contextlib.contextmanager
+def _shielded():
+    """Ignore Ctrl+C while a write or a rollback completes (a half-done one would be worse)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def schema_validator(path: str) -> Callable:
+    """A `validate=` callable: the answer must be JSON valid against the schema in `path`."""
+    try:
+        import jsonschema
+    except ImportError as e:
+        raise SystemExit("chatml chat: --json-schema needs the jsonschema package") from e
+    try:
+        schema = json.loads(Path(path).read_text(encoding="utf-8"))
+        cls = jsonschema.validators.validator_for(schema)
+        cls.check_schema(schema)
+    except (OSError, ValueError, jsonschema.SchemaError) as e:
+        msg = getattr(e, "message", None) or str(e)
+        raise SystemExit(f"chatml chat: --json-schema {path}: {msg}") from e
+    validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+    def validate(turn) -> None:
         try:
-            for item in session.stream(question, **options):
+            value = json.loads(turn.text)
+        except ValueError as e:
+            raise AnswerRejected(f"the answer is not JSON ({e})") from None
+        error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+        if error is not None:
+            where = "/".join(map(str, error.absolute_path)) or "the top level"
+            raise AnswerRejected(
+                f"the answer does not match the schema at {where}: {error.message}"
+            )
+
+    return validate
+
+
+# ----- the conversation ---------------------------------------------------------------------
+
+
+class Chat:
+    """One conversation on the command line: questions, slash commands, persistence."""
+
+    def __init__(self, args, engine, session, stored, store, model: str, interactive: bool):
+        self.args, self.engine, self.session = args, engine, session
+        self.stored, self.store, self.model = stored, store, model
+        self.interactive = interactive
+        self.validate = schema_validator(args.json_schema) if args.json_schema else None
+        self.options = dict(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed)  # fmt: skip
+        self.turns: list = [None] * len(session.history)  # Turns of the history's exchanges
+        self.last = None
+        self.totals = dict(turns=0, reused=0, prefilled=0, generated=0)
+        self.failures = 0
+
+    # ----- questions --------------------------------------------------------------------
+
+    def ask(self, text: str) -> bool:
+        """Answer `text`, streaming it; True if the exchange was recorded."""
+        s, out = self.session, sys.stdout
+        kept = (s.history, self.turns) if self.args.no_history else None
+        if kept:
+            s.history, self.turns = [], []  # the cache stays: the system prompt is reused
+        turn, problem, stream, wrote = None, None, None, False
+        try:
+            stream = s.stream(text, validate=self.validate, **self.options)
+            for item in stream:
                 if isinstance(item, str):
-                    sys.stdout.write(item)
-                    sys.stdout.flush()
+                    out.write(item)
+                    out.flush()
+                    wrote = True
                 else:
-                    sys.stdout.write("\n")
-                    if args.stats or not interactive:
-                        print(_stats_line(item), file=sys.stderr if interactive else sys.stdout)
+                    turn = item
         except KeyboardInterrupt:
-            print("\n[interrupted: the question was not recorded]", file=sys.stderr)
-        except ValueError as e:  # bad input: the conversation is unchanged
-            print(f"error: {e}", file=sys.stderr)
-    return 0
+            problem = "[interrupted: the question was not recorded]"
+        except AnswerRejected as e:
+            problem = f"[rejected: {e}; the question was not recorded]"
+        except ValueError as e:  # bad input or a render error: nothing changed
+            problem = f"error: {e}"
+        finally:
+            if stream is not None:
+                with _shielded():
+                    stream.close()  # an abandoned stream rolls the session back
+        if wrote or turn is not None:
+            out.write("\n")
+            out.flush()
+        if turn is None:
+            if kept:
+                s.history, self.turns = kept
+            self.failures += 1
+            _err(problem or "error: no answer")
+            return False
+        with _shielded():  # the turn is complete: keep it whole on disk
+            if not turn.tool_calls:
+                self.turns.append(turn)
+            if self.stored is not None:
+                self.stored.append_turn(turn)
+                self.stored.save_state()
+        self.last = turn
+        t = self.totals
+        t["turns"] += 1
+        t["reused"] += turn.stats.reused_tokens
+        t["prefilled"] += turn.stats.prefilled_tokens
+        t["generated"] += turn.stats.generated_tokens
+        if self.args.stats or not self.interactive:
+            print(_stats_line(turn), file=sys.stderr if self.interactive else out, flush=True)
+        return True
+
+    # ----- slash commands ---------------------------------------------------------------
+
+    def command(self, line: str) -> bool:
+        """Run a slash command; False when the conversation should end."""
+        name, _, arg = line.strip().partition(" ")
+        arg = arg.strip()
+        if name in ("/exit", "/quit"):
+            return False
+        if name == "/help":
+            for cmd, what in COMMANDS.items():
+                print(f"  {cmd:<12} {what}")
+        elif name == "/reset":
+            self.session.reset()
+            self.turns = []
+            if self.stored is not None:
+                with _shielded():
+                    self.stored.record_reset()
+            _err("[conversation cleared]")
+        elif name == "/history":
+            self._history()
+        elif name == "/stats":
+            self._stats()
+        elif name == "/regenerate":
+            self._regenerate()
+        elif name == "/save":
+            self._save(arg or None)
+        else:
+            _err(f"unknown command {name} (/help lists them)")
+        return True
+
+    def _history(self) -> None:
+        h = self.session.history
+        if not h:
+            print("(no exchanges yet)")
+        first_in_window = max(0, len(h) - self.session.max_exchanges)
+        for i, exchange in enumerate(h):
+            mark = "*" if i >= first_in_window else " "
+            for j, m in enumerate(exchange):
+                label = f"{mark}[{i + 1}]" if j == 0 else " " * (len(str(i + 1)) + 3)
+                print(f"{label} {m['role']}: {m.get('content') or ''}")
+
+    def _stats(self) -> None:
+        if self.last is None:
+            print("(no answer yet)")
+        else:
+            print(_stats_line(self.last))
+            st = self.last.stats
+            print(f"  prefill {st.prefill_s * 1000:.0f} ms ({st.prefill_tps:.0f} tok/s), decode "
+                  f"{st.decode_s * 1000:.0f} ms; cache {st.cache_bytes / 2**20:.1f} MiB")  # fmt: skip
+        t = self.totals
+        print(f"  this run: {t['turns']} answers; reused {t['reused']}, prefilled "
+              f"{t['prefilled']}, generated {t['generated']} tokens; "
+              f"{len(self.session.history)} exchanges in the conversation")  # fmt: skip
+        if self.stored is not None:
+            print(f"  session {self.stored.id}: {self.stored.dir}")
+
+    def _regenerate(self) -> None:
+        s = self.session
+        if not s.history:
+            _err("error: there is no exchange to redo")
+            return
+        last, last_turn = s.history.pop(), self.turns.pop() if self.turns else None
+        if not self.ask(last[0]["content"]):
+            s.history.append(last)
+            self.turns.append(last_turn)
+
+    def _save(self, session_id: str | None) -> None:
+        from .store import SessionIdError
+
+        if self.stored is not None:
+            if session_id and session_id != self.stored.id:
+                _err(f"error: already saving as {self.stored.id!r}")
+                return
+            with _shielded():
+                self.stored.save_state()
+            _err(f"[saved session {self.stored.id} in {self.stored.dir}]")
+            return
+        session_id = session_id or time.strftime("chat-%Y%m%d-%H%M%S")
+        try:
+            with _shielded():
+                self.stored = self.store.attach(session_id, self.session, self.turns,
+                                                model=self.model)  # fmt: skip
+        except (SessionIdError, FileExistsError) as e:
+            _err(f"error: {e}")
+            return
+        _err(f"[saved session {session_id}: resume it with chatml chat --session {session_id}]")
+
+    # ----- the loop ---------------------------------------------------------------------
+
+    def run(self, lines: Iterator[str]) -> None:
+        for line in lines:
+            if line.startswith("/"):
+                if not self.command(line):
+                    return
+            elif line.strip():
+                self.ask(line)
+            if self.interactive and self.args.warm and not self.args.no_history:
+                # While the user reads and types: the next question waits only for itself.
+                self.session.warm_in_background()
 
 
-def _lines(interactive: bool):
+def _lines(interactive: bool) -> Iterator[str]:
     while True:
         try:
             line = input(">>> ") if interactive else sys.stdin.readline()
-        except (EOFError, KeyboardInterrupt):
+        except (EOFError, KeyboardInterrupt):  # Ctrl+D or Ctrl+C at the prompt: leave cleanly
             if interactive:
                 print()
             return
         if not interactive and not line:
             return
         yield line.rstrip("\n")
+
+
+@contextlib.contextmanager
+def _readline(home: Path):
+    """Line editing, and input history kept across runs in `<home>/chat_history`."""
+    try:
+        import readline
+    except ImportError:  # not on every platform; input() still works
+        yield
+        return
+    path = home / "chat_history"
+    with contextlib.suppress(OSError):
+        readline.read_history_file(path)
+    readline.set_history_length(1000)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            home.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
+
+
+# ----- commands -----------------------------------------------------------------------------
+
+
+def run_chat(args) -> int:
+    if args.no_history and args.prompt is not None:
+        _err("chatml chat: --no-history has no effect with -p (one question has no history)")
+        return 2
+    from .store import SessionBusy, SessionIdError, SessionStore, check_id
+
+    warned: set[str] = set()
+
+    def warn(message: str) -> None:
+        if message not in warned:  # the log is read twice (model choice, then open)
+            warned.add(message)
+            _err(f"warning: {message}")
+
+    store = SessionStore(warn=warn)
+    model = args.model
+    if args.session is not None:
+        try:
+            check_id(args.session)
+        except SessionIdError as e:
+            _err(f"chatml chat: {e}")
+            return 2
+        model = model or store.read(args.session).options.get("model")
+    model = model or "tiny"
+    if Path(model).is_dir():
+        model = str(Path(model).resolve())  # a folder: the session must find it from anywhere
+    if args.json_schema:
+        schema_validator(args.json_schema)  # a bad schema fails before the model loads
+    import engine
+
+    eng = engine.load(model)
+    stored = None
+    options = dict(system=args.system, max_exchanges=args.max_exchanges,
+                   enable_thinking=args.thinking)  # fmt: skip
+    if args.session is not None:
+        try:
+            stored = store.open(args.session, eng, model=model, **options)
+        except SessionBusy as e:
+            _err(f"chatml chat: {e}")
+            return 1
+        session = stored.session
+        if stored.resumed_turns:
+            how = ("cache restored" if stored.state_loaded
+                   else "no usable cache state: the next turn prefills the history")  # fmt: skip
+            n = stored.resumed_turns
+            _err(f"[session {stored.id}: {n} exchange{'s' * (n != 1)} resumed, {how}]")
+    else:
+        options["max_exchanges"] = options["max_exchanges"] or 6
+        session = eng.session(options.pop("system"), **options)
+    interactive = args.prompt is None and sys.stdin.isatty()
+    chat = None
+    try:
+        chat = Chat(args, eng, session, stored, store, model, interactive)
+        if args.prompt is not None:
+            chat.ask(args.prompt)
+        elif interactive:
+            _err(f"chatml chat: {model}; /help for commands, Ctrl+C stops an answer, "
+                 "Ctrl+D leaves")  # fmt: skip
+            with _readline(store.home):
+                chat.run(_lines(True))
+        else:
+            chat.run(_lines(False))
+    finally:
+        session.stop_warm()  # no MLX work may outlive the interpreter
+        for s in {stored, chat and chat.stored} - {None}:  # /save may have opened one
+            s.close()
+    return 1 if chat.failures and not interactive else 0
+
+
+def run_sessions(args) -> int:
+    from .store import STATE, SessionBusy, SessionIdError, SessionStore, StateError, _header
+
+    store = SessionStore(warn=lambda m: _err(f"warning: {m}"))
+    if args.action != "list" and not args.id:
+        _err(f"chatml sessions {args.action}: a session id is required")
+        return 2
+    try:
+        if args.action == "list":
+            ids = store.ids()
+            if not ids:
+                print(f"no sessions in {store.root}")
+            for sid in ids:
+                log = store.read(sid)
+                first = log.history[0][0].get("content", "") if log.history else ""
+                when = time.strftime("%Y-%m-%d %H:%M", time.localtime(log.updated or 0))
+                print(f"{sid:<24} {len(log.history):>3} exchanges  {when}  "
+                      f"{log.options.get('model', '?')}  {first[:40]!r}")  # fmt: skip
+            return 0
+        if not store.exists(args.id):
+            _err(f"chatml sessions: no session {args.id!r}")
+            return 1
+        if args.action == "rm":
+            store.remove(args.id)
+            print(f"removed session {args.id}")
+            return 0
+        log = store.read(args.id)
+        path = store.path(args.id) / STATE
+        try:
+            key = _header(path.read_bytes()).get("key") if path.exists() else None
+            state = ("none" if not path.exists()
+                     else "matches the last turn" if key and key == log.state_key
+                     else "stale (not used)")  # fmt: skip
+        except (OSError, StateError):
+            state = "unreadable (not used)"
+        if args.json:
+            print(json.dumps({"id": args.id, **log.options, "history": log.history,
+                              "turns": log.turns, "skipped_lines": log.skipped,
+                              "state": state}, ensure_ascii=False, indent=1))  # fmt: skip
+            return 0
+        o = log.options
+        print(f"session {args.id}: model {o.get('model')}, max {o.get('max_exchanges')} "
+              f"exchanges, thinking {o.get('enable_thinking')}; cache state: {state}")  # fmt: skip
+        if o.get("system") is not None:
+            print(f"system: {o['system']}")
+        for i, exchange in enumerate(log.history):
+            for m in exchange:
+                label = f"[{i + 1}] {m['role']}" if m["role"] == "user" else f"    {m['role']}"
+                print(f"{label}: {m.get('content') or ''}")
+        return 0
+    except SessionIdError as e:
+        _err(f"chatml sessions: {e}")
+        return 2
+    except SessionBusy as e:
+        _err(f"chatml sessions: {e}")
+        return 1

@@ -1,4 +1,4 @@
-"""The `chatml` command: chat, models, doctor, bench, serve."""
+"""The `chatml` command: chat, sessions, models, doctor, bench, serve."""
 
 from __future__ import annotations
 
@@ -119,9 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chatml", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    from .chat import add_chat_parser
+    from .chat import add_chat_parser, add_sessions_parser
 
     add_chat_parser(sub)
+    add_sessions_parser(sub)
 
     m = sub.add_parser("models", help="list, describe or build registry models")
     m.add_argument("action", nargs="?", choices=["list", "info", "build"])

@@ -68,6 +68,13 @@ class CachedSequence:
     def cache_bytes(self) -> int:
         return self.live_bytes + sum(s.nbytes for s in self.snapshots.values())
 
+    def load(self, tokens: list[int], caches: list, snapshots: dict) -> None:
+        """Adopt a saved state (engine/store.py): `caches` must hold exactly `tokens`."""
+        with self.engine.foreground():
+            self.tokens, self.caches, self.snapshots = list(tokens), caches, dict(snapshots)
+            self.last_used = snapshot.tick()
+            self.engine.budget.enforce(active=self)
+
     def drop_cache(self) -> None:
         self.tokens, self.snapshots = [], {}
         self.caches = self.engine.model.make_caches()

@@ -55,6 +55,7 @@ class Session:
         self.segments = SegmentCache()  # token ids of rendered segments, reused across turns
         self.last_turn: Turn | None = None
         self._warmed = (0, 0)  # positions the last warm() computed, for the next turn's stats
+        self._warming: tuple[threading.Thread, threading.Event] | None = None
 
     # ----- public API -------------------------------------------------------------------
 
@@ -119,6 +120,7 @@ class Session:
         """Replace the last question by `text` (None keeps it) and answer it afresh."""
         if not self.history:
             raise ValueError("there is no exchange to redo")
+        self.stop_warm()
         last = self.history.pop()
         try:
             return self.send(last[0]["content"] if text is None else text, **kwargs)
@@ -151,13 +153,29 @@ class Session:
         return end - start
 
     def warm_in_background(self) -> threading.Thread:
-        """Run `warm()` on a daemon thread; a new `send`/`stream` interrupts it at a chunk."""
-        thread = threading.Thread(target=self.warm, name="chatml-warm", daemon=True)
+        """Run `warm()` on a daemon thread; a new `send`/`stream` interrupts it at a chunk.
+
+        Call `stop_warm()` before the process exits: MLX work must not outlive the interpreter.
+        """
+        self.stop_warm()
+        cancel = threading.Event()
+        thread = threading.Thread(target=self.warm, args=(cancel.is_set,), name="chatml-warm",
+                                  daemon=True)  # fmt: skip
+        self._warming = (thread, cancel)
         thread.start()
         return thread
 
+    def stop_warm(self, timeout: float | None = None) -> None:
+        """Stop a background warm-up at its next chunk and wait for it."""
+        if self._warming is not None:
+            thread, cancel = self._warming
+            cancel.set()
+            thread.join(timeout)
+            self._warming = None
+
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays)."""
+        self.stop_warm()
         self.history, self.pending = [], []
         self.seq.drop_cache()
 
@@ -202,6 +220,7 @@ class Session:
         # Everything that can reject the input runs here, before the generator starts, so a
         # bad message raises at the call and touches nothing.
         t0 = time.perf_counter()
+        self.stop_warm()  # our own warm-up: stop it before reading the history it reads
         max_tokens = self.max_tokens if max_tokens is None else max_tokens
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")

@@ -1,0 +1,590 @@
+"""Persistent conversations: an append-only turn log plus the engine's cache state on disk.
+
+Layout of `<CHATML_HOME>/sessions/<id>/`:
+
+- `log.jsonl`: one JSON record a line (a header, then turns, resets and option changes). Lines
+  are appended with flush + fsync and never rewritten, so a crash loses at most the line being
+  written. Each record carries a checksum of its own content; a line that does not parse or
+  whose checksum fails is skipped with a warning, and the records around it are kept.
+- `state.safetensors`: the caches after the last logged turn (the token ids, the live KV and
+  recurrent caches, the recurrent arrays of every snapshot), written atomically. It is used only
+  if it was made by the same weights and dtype, its checksum holds, and its token ids are the
+  ones the last good log record names; otherwise the history is rebuilt from the log and the
+  next turn prefills it. The log is the truth; the state is only ever a shortcut.
+- `lock`: held (flock) while a process has the session open, so two never interleave.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import KVCache, RecurrentCache
+from .paths import atomic_write, chatml_home
+from .snapshot import Snapshot
+
+FORMAT = "chatml-session"
+VERSION = 1
+LOG, STATE, LOCK = "log.jsonl", "state.safetensors", "lock"
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_OPTIONS = ("model", "system", "max_exchanges", "enable_thinking")
+# Snapshots written to disk: the first (after the system prompt: survives window trimming) and
+# the last few (the last turn's message and answer starts: the next turn, /regenerate). Every
+# one of them costs the full recurrent state, so saving all would grow the file every turn.
+SNAPSHOTS_KEPT = 4
+# numpy has no bfloat16: such arrays travel as their raw 16-bit patterns
+_VIEWS = {mx.bfloat16: mx.uint16}
+_DTYPE_NAMES = {"bfloat16": mx.bfloat16}
+
+
+class StoreWarning(UserWarning):
+    """Damage that was survived: a skipped log line, an ignored state file."""
+
+
+class SessionIdError(ValueError):
+    """A session id that could escape the sessions folder or is not a plain name."""
+
+
+class SessionBusy(RuntimeError):
+    """The session is open in another process."""
+
+
+class StateError(Exception):
+    """Why a state file cannot be used (it is then ignored, never trusted)."""
+
+
+def check_id(session_id: str) -> str:
+    """Return `session_id` if it is a plain name: letters, digits, '.', '_', '-' (max 64)."""
+    if not isinstance(session_id, str) or not _ID.fullmatch(session_id):
+        raise SessionIdError(
+            f"invalid session id {session_id!r}: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (no path separators, no '..')"
+        )
+    return session_id
+
+
+def state_key(tokens) -> str:
+    """Names a token sequence: ties a state file to the log record it belongs to."""
+    return hashlib.sha256(np.asarray(tokens, dtype="<i8").tobytes()).hexdigest()[:32]
+
+
+# ----- the log ------------------------------------------------------------------------------
+
+
+def _checksum(record: dict) -> str:
+    body = {k: v for k, v in record.items() if k != "sum"}
+    text = json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _encode(record: dict) -> bytes:
+    record = {**record, "sum": _checksum(record)}
+    return (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+
+
+def _valid_messages(msgs) -> bool:
+    return (
+        isinstance(msgs, list)
+        and bool(msgs)
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs)
+    )
+
+
+def _check_record(rec) -> str | None:
+    """Why a parsed record is unusable, or None."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("type"), str):
+        return "not a record"
+    if "sum" in rec and rec["sum"] != _checksum(rec):
+        return "checksum mismatch"
+    if rec["type"] == "turn":
+        if not _valid_messages(rec.get("messages")):
+            return "turn without messages"
+        if not isinstance(rec.get("index"), int) or rec["index"] < 0:
+            return "turn without index"
+    return None
+
+
+@dataclass
+class SessionLog:
+    """What a log says: options, the conversation, and which state belongs after it."""
+
+    options: dict = field(default_factory=dict)  # model, system, max_exchanges, enable_thinking
+    history: list[list[dict]] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list)  # good records, in order
+    state_key: str | None = None  # key of the caches after the last good turn
+    turns: int = 0  # turn records (including regenerated ones)
+    skipped: int = 0  # damaged lines
+    created: float | None = None
+    updated: float | None = None
+
+    @property
+    def has_header(self) -> bool:
+        return any(r.get("type") == "session" for r in self.records)
+
+
+def read_log(path: Path, warn: Callable[[str], None]) -> SessionLog:
+    """Replay a log; damaged lines are skipped with `warn`, everything else is kept."""
+    log = SessionLog()
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return log
+    lines = data.split(b"\n")
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+            why = _check_record(rec)
+        except (UnicodeDecodeError, ValueError) as e:
+            rec, why = None, f"unreadable ({e.__class__.__name__})"
+        if why is not None:
+            last = lineno == len(lines) and not data.endswith(b"\n")
+            where = "last line, cut short by a crash?" if last else f"line {lineno}"
+            warn(f"{path}: skipped {where}: {why}")
+            log.skipped += 1
+            continue
+        _apply(log, rec)
+    return log
+
+
+def _apply(log: SessionLog, rec: dict) -> None:
+    kind = rec["type"]
+    log.records.append(rec)
+    when = rec.get("time")
+    if isinstance(when, (int, float)):
+        log.created = when if log.created is None else log.created
+        log.updated = when
+    if kind in ("session", "options"):
+        log.options.update({k: rec[k] for k in _OPTIONS if k in rec})
+    elif kind == "reset":
+        log.history, log.state_key = [], None
+    elif kind == "turn":
+        log.turns += 1
+        log.state_key = rec.get("state_key")
+        if not rec.get("pending"):  # an exchange waiting for tool results is not history yet
+            log.history = log.history[: rec["index"]] + [rec["messages"]]
+
+
+# ----- the cache state ----------------------------------------------------------------------
+
+
+def _to_numpy(a: mx.array) -> tuple[np.ndarray, str | None]:
+    view = _VIEWS.get(a.dtype)
+    if view is None:
+        return np.array(a), None
+    return np.array(a.view(view)), str(a.dtype).rsplit(".", 1)[-1]
+
+
+def _to_mlx(a: np.ndarray, dtype: str | None) -> mx.array:
+    arr = mx.array(a)
+    return arr.view(_DTYPE_NAMES[dtype]) if dtype else arr
+
+
+def _digest(tensors: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = np.ascontiguousarray(tensors[name])
+        h.update(f"{name}|{t.dtype.str}|{t.shape}|".encode())
+        h.update(t.tobytes())
+    return h.hexdigest()
+
+
+def encode_state(seq, engine) -> bytes:
+    """Serialize a CachedSequence (tokens, live caches, snapshots) as safetensors bytes."""
+    from safetensors.numpy import save
+
+    tensors: dict[str, np.ndarray] = {"tokens": np.asarray(seq.tokens, dtype=np.int32)}
+    views: dict[str, str] = {}
+
+    def put(name: str, a: mx.array | None) -> None:
+        if a is not None:
+            tensors[name], view = _to_numpy(a)
+            if view:
+                views[name] = view
+
+    kinds, offsets = [], []
+    for i, c in enumerate(seq.caches):
+        if isinstance(c, KVCache):
+            kinds.append("kv")
+            offsets.append(c.offset)
+            if c.state is not None:
+                put(f"kv.{i}.keys", c.state[0])
+                put(f"kv.{i}.values", c.state[1])
+        else:
+            kinds.append("rec")
+            offsets.append(c.offset)
+            put(f"rec.{i}.conv", c.conv)
+            put(f"rec.{i}.state", c.state)
+    positions = sorted(p for p in seq.snapshots if 0 < p <= len(seq.tokens))
+    positions = sorted(set(positions[:1] + positions[-SNAPSHOTS_KEPT:]))
+    for p in positions:
+        for i, layer in enumerate(seq.snapshots[p].layers):
+            if layer is not None:
+                put(f"snap.{p}.{i}.conv", layer[0])
+                put(f"snap.{p}.{i}.state", layer[1])
+    meta = {
+        "format": FORMAT,
+        "version": str(VERSION),
+        "fingerprint": engine.fingerprint,
+        "dtype": str(engine.dtype),
+        "key": state_key(seq.tokens),
+        "kinds": json.dumps(kinds),
+        "offsets": json.dumps(offsets),
+        "snapshots": json.dumps(positions),
+        "views": json.dumps(views),
+        "sha256": _digest(tensors),
+    }
+    return save(tensors, metadata=meta)
+
+
+def _header(data: bytes) -> dict:
+    if len(data) < 8:
+        raise StateError("file too short")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise StateError("header runs past the end of the file")
+    try:
+        return json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+    except (ValueError, AttributeError) as e:
+        raise StateError(f"unreadable header ({e})") from e
+
+
+def decode_state(data: bytes, engine, expected_key: str | None):
+    """(tokens, caches, snapshots) from `encode_state` bytes; raises StateError if unusable."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load
+
+    meta = _header(data)
+    if meta.get("format") != FORMAT or meta.get("version") != str(VERSION):
+        raise StateError("not a chatml-engine state file of this version")
+    if meta.get("fingerprint") != engine.fingerprint or meta.get("dtype") != str(engine.dtype):
+        raise StateError("made by other weights or another dtype")
+    if expected_key is None or meta.get("key") != expected_key:
+        raise StateError("stale: it does not belong to the last turn in the log")
+    try:
+        tensors = load(data)
+        kinds, offsets = json.loads(meta["kinds"]), json.loads(meta["offsets"])
+        positions, views = json.loads(meta["snapshots"]), json.loads(meta["views"])
+    except (SafetensorError, ValueError, KeyError) as e:
+        raise StateError(f"unreadable ({e})") from e
+    if _digest(tensors) != meta.get("sha256"):
+        raise StateError("checksum mismatch")
+    tokens = [int(t) for t in tensors["tokens"]]
+    n = len(tokens)
+    if state_key(tokens) != expected_key:
+        raise StateError("token ids do not match their key")
+    caches = engine.model.make_caches()
+    expect = ["kv" if isinstance(c, KVCache) else "rec" for c in caches]
+    if kinds != expect or len(offsets) != len(caches) or any(o != n for o in offsets):
+        raise StateError("layers or positions do not match this model and these tokens")
+
+    def get(name: str) -> mx.array | None:
+        return _to_mlx(tensors[name], views.get(name)) if name in tensors else None
+
+    for i, c in enumerate(caches):
+        if isinstance(c, KVCache):
+            k, v = get(f"kv.{i}.keys"), get(f"kv.{i}.values")
+            if k is None or v is None or k.shape[2] != n or v.shape[2] != n:
+                raise StateError(f"layer {i}: KV cache does not hold {n} positions")
+            c.load_state(k, v)
+        else:
+            conv, st = get(f"rec.{i}.conv"), get(f"rec.{i}.state")
+            if st is None:
+                raise StateError(f"layer {i}: recurrent state missing")
+            c.load_state(conv, st, n)
+    snapshots = {}
+    for p in positions:
+        if not isinstance(p, int) or not 0 < p <= n:
+            raise StateError(f"snapshot at {p!r} outside the {n} tokens")
+        layers, nbytes = [], 0
+        for i, c in enumerate(caches):
+            if isinstance(c, RecurrentCache):
+                conv, st = get(f"snap.{p}.{i}.conv"), get(f"snap.{p}.{i}.state")
+                if st is None:
+                    raise StateError(f"snapshot {p}, layer {i}: recurrent state missing")
+                layers.append((conv, st, p))
+                nbytes += sum(a.nbytes for a in (conv, st) if a is not None)
+            else:
+                layers.append(None)
+        snapshots[p] = Snapshot(p, layers, nbytes)
+    return tokens, caches, snapshots
+
+
+# ----- the store ----------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _default_warn(message: str) -> None:
+    warnings.warn(message, StoreWarning, stacklevel=3)
+
+
+class SessionStore:
+    """The sessions under `<home>/sessions`: list, read, open (resume or create), remove."""
+
+    def __init__(self, home: str | os.PathLike | None = None, *, warn=None):
+        self.home = Path(home) if home is not None else chatml_home()
+        self.root = self.home / "sessions"
+        self.warn: Callable[[str], None] = _default_warn if warn is None else warn
+
+    def path(self, session_id: str) -> Path:
+        """The folder of `session_id`, validated to be a direct child of the sessions folder."""
+        p = self.root / check_id(session_id)
+        if p.parent != self.root:  # belt and braces: the id pattern already rules this out
+            raise SessionIdError(f"invalid session id {session_id!r}")
+        return p
+
+    def exists(self, session_id: str) -> bool:
+        return (self.path(session_id) / LOG).is_file()
+
+    def ids(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            p.name for p in self.root.iterdir() if _ID.fullmatch(p.name) and (p / LOG).is_file()
+        )
+
+    def read(self, session_id: str) -> SessionLog:
+        """The log of `session_id` (empty if there is none), without loading any model."""
+        return read_log(self.path(session_id) / LOG, self.warn)
+
+    def remove(self, session_id: str) -> None:
+        path = self.path(session_id)
+        if not path.is_dir():
+            raise FileNotFoundError(f"no session {session_id!r}")
+        with _locked(path, session_id):
+            for name in (LOG, STATE):
+                (path / name).unlink(missing_ok=True)
+        shutil.rmtree(path)
+
+    def open(self, session_id: str, engine, *, model: str | None = None, **options):
+        """Resume `session_id` (or create it) on `engine`: returns a `StoredSession`.
+
+        `options` go to `Engine.session`; `system`, `max_exchanges` and `enable_thinking`
+        default to the stored ones (None means "as stored"), and a change is logged.
+        """
+        stored = StoredSession(self, session_id, engine)
+        try:
+            stored._load(model, options)
+        except BaseException:
+            stored.close()
+            raise
+        return stored
+
+    def attach(self, session_id: str, session, turns=(), *, model: str | None = None):
+        """Start persisting an in-memory `session` under a new id (`/save`).
+
+        `turns` are the Turns of `session.history`'s exchanges where known (None elsewhere).
+        """
+        if self.exists(session_id):
+            raise FileExistsError(f"session {session_id!r} already exists")
+        stored = StoredSession(self, session_id, session.engine)
+        try:
+            stored.session = session
+            stored._create(model)
+            turns = list(turns) + [None] * (len(session.history) - len(turns))
+            last = len(session.history) - 1
+            for i, (exchange, turn) in enumerate(zip(session.history, turns)):
+                key = "live" if i == last else None  # the live caches follow the last one
+                stored.append_turn(turn, messages=exchange, index=i, key=key)
+            stored.save_state()
+        except BaseException:
+            stored.close()
+            raise
+        return stored
+
+
+@contextlib.contextmanager
+def _locked(path: Path, session_id: str):
+    path.mkdir(parents=True, exist_ok=True)
+    f = open(path / LOCK, "a+b")  # noqa: SIM115 (held for the session's lifetime elsewhere)
+    try:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            raise SessionBusy(f"session {session_id!r} is open in another process") from e
+        yield f
+    finally:
+        f.close()
+
+
+class StoredSession:
+    """One open persistent session: its `Session`, its log file and its state file."""
+
+    def __init__(self, store: SessionStore, session_id: str, engine):
+        self.store, self.id, self.engine = store, session_id, engine
+        self.dir = store.path(session_id)
+        self.session = None
+        self.resumed_turns = 0  # exchanges rebuilt from the log
+        self.state_loaded = False  # whether the caches came back from disk (no re-prefill)
+        self.state_error: str | None = None
+        self._n = 0  # turn records written so far (numbering)
+        self._log = None
+        self._lock_cm = _locked(self.dir, session_id)
+        self._lock = self._lock_cm.__enter__()
+
+    # ----- opening ----------------------------------------------------------------------
+
+    def _load(self, model: str | None, options: dict) -> None:
+        log = read_log(self.dir / LOG, self.store.warn)
+        stored = log.options
+        given = {k: options.pop(k, None) for k in ("system", "max_exchanges", "enable_thinking")}
+        given["model"] = model
+        chosen = {k: given[k] if given[k] is not None else stored.get(k) for k in _OPTIONS}
+        self.session = self.engine.session(
+            chosen["system"],
+            max_exchanges=chosen["max_exchanges"] or 6,
+            enable_thinking=chosen["enable_thinking"],
+            **options,
+        )
+        if not log.has_header:
+            if log.records:
+                self.store.warn(f"{self.dir / LOG}: header missing; keeping the turns")
+            self._create(chosen["model"])
+        else:
+            self._open_log()
+            changed = {k: v for k, v in given.items() if v is not None and v != stored.get(k)}
+            if changed:
+                self._append({"type": "options", **changed})
+        self._n = log.turns
+        for tmp in self.dir.glob(f".{STATE}.*.tmp"):  # left by a crash mid-save; we hold the lock
+            tmp.unlink(missing_ok=True)
+        self.session.history = [list(ex) for ex in log.history]
+        self.resumed_turns = len(log.history)
+        self._load_state(log.state_key)
+
+    def _load_state(self, key: str | None) -> None:
+        path = self.dir / STATE
+        if key is None or not path.exists():
+            return
+        try:
+            tokens, caches, snapshots = decode_state(path.read_bytes(), self.engine, key)
+        except Exception as e:  # whatever the damage, the log is the truth: rebuild from it
+            self.state_error = str(e) if isinstance(e, StateError) else repr(e)
+            self.store.warn(f"{path}: ignored ({e}); the history is rebuilt from the log")
+            return
+        self.session.seq.load(tokens, caches, snapshots)
+        self.state_loaded = True
+
+    def _create(self, model: str | None) -> None:
+        s = self.session
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._open_log()
+        self._append(
+            {
+                "type": "session",
+                "format": FORMAT,
+                "version": VERSION,
+                "id": self.id,
+                "model": model or self.engine.entry.name,
+                "fingerprint": self.engine.fingerprint,
+                "system": s.system,
+                "max_exchanges": s.max_exchanges,
+                "enable_thinking": s.enable_thinking,
+            }
+        )
+        _fsync_dir(self.dir)
+        _fsync_dir(self.store.root)
+
+    def _open_log(self) -> None:
+        path = self.dir / LOG
+        self._log = open(path, "ab")  # noqa: SIM115 (kept open for the session's lifetime)
+        # A crash mid-line leaves no newline: end that line so the next record starts clean.
+        if path.stat().st_size:
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    self._write(b"\n")
+
+    # ----- writing ----------------------------------------------------------------------
+
+    def _write(self, data: bytes) -> None:
+        self._log.write(data)
+        self._log.flush()
+        os.fsync(self._log.fileno())
+
+    def _append(self, record: dict) -> None:
+        if self._log is None:
+            raise ValueError(f"session {self.id!r} is closed")
+        self._write(_encode({**record, "time": time.time()}))
+
+    def append_turn(self, turn, *, messages=None, index: int | None = None, key="live") -> None:
+        """Log a completed turn (call right after it finishes, before `save_state`).
+
+        By default the exchange is the one the turn just added to the history (or the pending
+        one, while tool calls wait for results) and the state key names the live caches.
+        """
+        s = self.session
+        pending = turn is not None and bool(turn.tool_calls) and messages is None
+        if messages is None:
+            messages = s.pending if pending else s.history[-1]
+        if index is None:
+            index = len(s.history) if pending else len(s.history) - 1
+        self._n += 1
+        record = {"type": "turn", "n": self._n, "index": index, "messages": messages}
+        if pending:
+            record["pending"] = True
+        if turn is not None:
+            record.update(
+                prompt_ids=list(turn.prompt_ids),
+                token_ids=list(turn.token_ids),
+                finish_reason=turn.finish_reason,
+                stats=turn.stats.to_dict(),
+            )
+            if turn.tool_call_error:
+                record["tool_call_error"] = turn.tool_call_error
+        if key == "live":
+            key = state_key(s.seq.tokens) if s.seq.tokens else None
+        record["state_key"] = key
+        self._append(record)
+
+    def record_reset(self) -> None:
+        """Log that the conversation was forgotten (the system prompt stays)."""
+        self._append({"type": "reset"})
+
+    def save_state(self) -> bool:
+        """Write the live caches and snapshots atomically; False if there is nothing to save."""
+        seq = self.session.seq
+        if not seq.tokens or self._log is None:
+            return False
+        with self.engine.foreground():  # a background warm-up must not move the caches meanwhile
+            data = encode_state(seq, self.engine)
+        atomic_write(self.dir / STATE, data)
+        _fsync_dir(self.dir)
+        return True
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._lock_cm is not None:
+            self._lock_cm.__exit__(None, None, None)
+            self._lock_cm = None
+
+    def __enter__(self) -> StoredSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

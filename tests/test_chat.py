@@ -1,0 +1,175 @@
+"""`chatml chat` and `chatml sessions` end to end: the real CLI in a subprocess on `tiny`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+from engine.chat import AnswerRejected, schema_validator
+from engine.store import SessionStore
+
+STATS = re.compile(r"^\[prompt (\d+) tok: reused (\d+), prefilled (\d+); generated (\d+);", re.M)
+SYSTEM = "You are a helpful assistant."
+QUESTIONS = ["Hi! My order number is 48213.", "What is my order number?", "你好", "Thanks!"]
+
+
+def chatml(*args, stdin: str = "", timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the CLI with the test run's CHATML_HOME (so `tiny` is not rebuilt)."""
+    return subprocess.run(
+        [sys.executable, "-m", "engine.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "CHATML_HOME": os.environ["CHATML_HOME"]},
+    )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def turns(sid: str) -> list[dict]:
+    return [r for r in SessionStore().read(sid).records if r["type"] == "turn"]
+
+
+def test_pipe_mode_answers_each_line_with_stats_and_logs_the_session():
+    sid = new_id("pipe")
+    r = chatml("chat", "--system", SYSTEM, "--max-tokens", "4", "--session", sid,
+               stdin="\n".join(QUESTIONS[:3]) + "\n")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    stats = [tuple(map(int, m)) for m in STATS.findall(r.stdout)]
+    assert len(stats) == 3
+    prompt, reused, prefilled, generated = zip(*stats)
+    assert prompt[0] < prompt[1] < prompt[2]  # the history grows
+    assert reused[0] == 0 and all(u > 0 for u in reused[1:])  # and is reused
+    assert all(p + f == t for p, f, t in zip(reused, prefilled, prompt))
+    assert all(0 < g <= 4 for g in generated)
+    log = turns(sid)
+    assert [t["messages"][0]["content"] for t in log] == QUESTIONS[:3]
+    assert [len(t["prompt_ids"]) for t in log] == list(prompt)
+    assert [t["index"] for t in log] == [0, 1, 2]
+
+
+def test_no_history_sends_independent_prompts():
+    sid = new_id("nohist")
+    r = chatml("chat", "--no-history", "--max-tokens", "3", "--session", sid,
+               stdin="Hello\nHello\nHello\n")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    log = turns(sid)
+    assert len(log) == 3 and len(STATS.findall(r.stdout)) == 3
+    assert log[0]["prompt_ids"] == log[1]["prompt_ids"] == log[2]["prompt_ids"]
+    assert [t["index"] for t in log] == [0, 0, 0]
+    assert SessionStore().read(sid).history == [log[2]["messages"]]
+
+
+def test_prompt_with_no_history_is_a_usage_error():
+    r = chatml("chat", "-p", "Hi", "--no-history")
+    assert r.returncode == 2
+    assert "--no-history has no effect with -p" in r.stderr
+
+
+def test_resume_in_a_new_process_equals_an_uninterrupted_run(tiny):
+    sid = new_id("resume")
+    opts = ("--system", SYSTEM, "--max-tokens", "5", "--session", sid)
+    first = chatml("chat", *opts, stdin="\n".join(QUESTIONS[:3]) + "\n")
+    assert first.returncode == 0, first.stderr
+    second = chatml("chat", *opts, stdin=QUESTIONS[3] + "\n")
+    assert second.returncode == 0, second.stderr
+    assert "3 exchanges resumed, cache restored" in second.stderr
+    ref = tiny.session(SYSTEM)
+    expected = [ref.send(q, max_tokens=5) for q in QUESTIONS]
+    log = turns(sid)
+    assert [t["token_ids"] for t in log] == [t.token_ids for t in expected]
+    resumed, uninterrupted = log[3]["stats"], expected[3].stats
+    assert resumed["prefilled_tokens"] == uninterrupted.prefilled_tokens
+    assert resumed["reused_tokens"] == uninterrupted.reused_tokens > resumed["prefilled_tokens"]
+
+
+def test_json_schema_rejects_what_the_model_cannot_satisfy(tmp_path):
+    sid = new_id("schema")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "required": ["answer"]}))
+    ok = chatml("chat", "-p", "First", "--max-tokens", "3", "--session", sid)
+    assert ok.returncode == 0, ok.stderr
+    assert len(STATS.findall(ok.stdout)) == 1  # -p: one answer, one stats line
+    before = SessionStore().read(sid).history
+    r = chatml("chat", "--max-tokens", "3", "--session", sid, "--json-schema", str(schema),
+               stdin="Answer in JSON\nAgain\n")  # fmt: skip
+    assert r.returncode == 1
+    assert r.stderr.count("[rejected: the answer is not JSON") == 2
+    assert not STATS.findall(r.stdout)
+    after = SessionStore().read(sid)
+    assert after.history == before and len(turns(sid)) == 1
+
+
+def test_bad_schema_fails_before_loading(tmp_path):
+    schema = tmp_path / "bad.json"
+    schema.write_text(json.dumps({"type": 12}))
+    r = chatml("chat", "-p", "x", "--json-schema", str(schema))
+    assert r.returncode == 1 and "--json-schema" in r.stderr
+
+
+def test_schema_validator_reports_where_the_answer_fails(tmp_path):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}}))
+    validate = schema_validator(str(path))
+    validate(SimpleNamespace(text='{"n": 3}'))
+    with pytest.raises(AnswerRejected, match="at n: 'x' is not of type 'integer'"):
+        validate(SimpleNamespace(text='{"n": "x"}'))
+    with pytest.raises(AnswerRejected, match="not JSON"):
+        validate(SimpleNamespace(text="hello"))
+
+
+def test_sigkill_mid_answer_keeps_the_finished_turns(tiny):
+    sid = new_id("kill")
+    assert chatml("chat", "-p", "one", "--max-tokens", "2", "--session", sid).returncode == 0
+    env = {**os.environ, "CHATML_HOME": os.environ["CHATML_HOME"]}
+    child = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "chat", "--max-tokens", "400", "--session", sid],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+    )  # fmt: skip
+    try:
+        child.stdin.write(b"two\n")
+        child.stdin.flush()
+        child.stdout.read(1)  # the answer is streaming: the process is killed mid-turn
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    with SessionStore().open(sid, tiny) as s:
+        assert [ex[0]["content"] for ex in s.session.history] == ["one"]
+        assert s.state_loaded
+
+
+def test_sessions_list_show_rm():
+    sid = new_id("cmd")
+    saving = chatml("chat", "--max-tokens", "2", "--system", "S",
+                    stdin=f"Question one\n/save {sid}\nQuestion two\n")  # fmt: skip
+    assert saving.returncode == 0 and f"saved session {sid}" in saving.stderr
+    listed = chatml("sessions", "list")
+    assert listed.returncode == 0 and sid in listed.stdout and "Question one" in listed.stdout
+    shown = chatml("sessions", "show", sid)
+    assert shown.returncode == 0 and "system: S" in shown.stdout
+    assert "[1] user: Question one" in shown.stdout and "matches the last turn" in shown.stdout
+    as_json = json.loads(chatml("sessions", "show", sid, "--json").stdout)
+    assert as_json["system"] == "S" and len(as_json["history"]) == 2  # /save, then one more
+    assert chatml("sessions", "rm", sid).returncode == 0
+    assert sid not in chatml("sessions").stdout
+    gone = chatml("sessions", "show", sid)
+    assert gone.returncode == 1 and "no session" in gone.stderr
+
+
+@pytest.mark.parametrize("bad", ["../x", "/etc", "a/b"])
+def test_traversal_ids_are_usage_errors(bad):
+    r = chatml("chat", "--session", bad, "-p", "hi")
+    assert r.returncode == 2 and "invalid session id" in r.stderr
+    r = chatml("sessions", "rm", bad)
+    assert r.returncode == 2 and "invalid session id" in r.stderr

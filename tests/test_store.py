@@ -1,0 +1,307 @@
+"""engine.store: persistent sessions survive restarts, crashes and damage, and resume exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from engine.store import (
+    LOG,
+    SNAPSHOTS_KEPT,
+    STATE,
+    SessionBusy,
+    SessionIdError,
+    SessionStore,
+    _header,
+    check_id,
+    read_log,
+)
+
+QUESTIONS = ["Hi! My order number is 48213.", "What is my order number?", "你好", "Thanks!"]
+SYSTEM = "You are a helpful assistant."
+MAX = 4  # answer tokens: enough to exercise the caches, cheap on 2 cores
+
+
+class Warnings(list):
+    def __call__(self, message: str) -> None:
+        self.append(message)
+
+
+@pytest.fixture
+def store(tmp_path):
+    return SessionStore(tmp_path, warn=Warnings())
+
+
+def _turns(stored, questions):
+    out = []
+    for q in questions:
+        turn = stored.session.send(q, max_tokens=MAX)
+        stored.append_turn(turn)
+        stored.save_state()
+        out.append(turn)
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tiny, tmp_path_factory):
+    """A 3-turn session on disk, the state after its turn 2, and the uninterrupted turn 4."""
+    home = tmp_path_factory.mktemp("saved")
+    store = SessionStore(home, warn=Warnings())
+    with store.open("base", tiny, system=SYSTEM) as s:
+        _turns(s, QUESTIONS[:2])
+        stale = (s.dir / STATE).read_bytes()
+        _turns(s, QUESTIONS[2:3])
+        shutil.copytree(s.dir, home / "copy")
+        turn4 = s.session.send(QUESTIONS[3], max_tokens=MAX)  # the process goes on: reference
+    return SimpleNamespace(dir=home / "copy", stale=stale, turn4=turn4)
+
+
+def _clone(store, saved, sid: str):
+    shutil.copytree(saved.dir, store.path(sid))
+    return store.path(sid)
+
+
+def test_resume_reuses_the_whole_history_and_answers_exactly(tiny, store, saved):
+    _clone(store, saved, "r1")
+    with store.open("r1", tiny) as s:  # system, window, thinking come back from the log
+        assert s.state_loaded and s.resumed_turns == 3 and s.session.system == SYSTEM
+        turn = s.session.send(QUESTIONS[3], max_tokens=MAX)
+    ref = saved.turn4
+    kept = json.loads(_header((saved.dir / STATE).read_bytes())["snapshots"])
+    assert len(kept) <= 1 + SNAPSHOTS_KEPT  # the file does not grow with every turn
+    assert turn.token_ids == ref.token_ids and turn.text == ref.text
+    assert turn.prompt_ids == ref.prompt_ids
+    # Only the new exchange (and the re-rendered previous answer) is prefilled.
+    assert turn.stats.prefilled_tokens == ref.stats.prefilled_tokens
+    assert turn.stats.reused_tokens == ref.stats.reused_tokens > turn.stats.prefilled_tokens
+    assert not store.warn
+
+
+def test_log_records_everything_a_turn_produced(tiny, store):
+    with store.open("rec", tiny, system=SYSTEM) as s:
+        (turn,) = _turns(s, QUESTIONS[:1])
+    log = store.read("rec")
+    rec = log.records[-1]
+    assert rec["type"] == "turn" and rec["index"] == 0
+    assert rec["messages"] == [{"role": "user", "content": QUESTIONS[0]}, turn.message()]
+    assert rec["prompt_ids"] == turn.prompt_ids and rec["token_ids"] == turn.token_ids
+    assert rec["stats"]["prefilled_tokens"] == turn.stats.prefilled_tokens
+    assert isinstance(rec["time"], float) and rec["finish_reason"] == turn.finish_reason
+    assert log.options["system"] == SYSTEM and log.options["model"] == "tiny"
+    for line in (store.path("rec") / LOG).read_text(encoding="utf-8").splitlines():
+        assert set(json.loads(line)) >= {"type", "time", "sum"}  # checksummed JSON lines
+
+
+def test_missing_state_rebuilds_from_the_log_and_prefills_everything(tiny, store, saved):
+    (_clone(store, saved, "nostate") / STATE).unlink()
+    with store.open("nostate", tiny) as s:
+        assert not s.state_loaded and s.resumed_turns == 3
+        turn = s.session.send(QUESTIONS[3], max_tokens=MAX)
+    assert turn.stats.prefilled_tokens == turn.stats.prompt_tokens
+    assert turn.token_ids == saved.turn4.token_ids  # same answer, just slower
+
+
+def test_corrupt_and_truncated_log_lines_are_skipped(tiny, store, saved):
+    log = _clone(store, saved, "dmg") / LOG
+    lines = log.read_bytes().split(b"\n")
+    assert len(lines) == 5 and lines[-1] == b""  # header, 3 turns, final newline
+    lines[1] = lines[1][: len(lines[1]) // 2] + b"\xff garbage"  # turn 1: unreadable
+    # turn 3: valid JSON with an edited answer, caught by the record checksum
+    lines[3] = lines[3].replace(b'"role":"user"', b'"role":"user","x":1', 1)
+    log.write_bytes(b"\n".join(lines[:-1]) + b"\n" + b'{"type":"turn","n":4,"ind')  # cut short
+    with store.open("dmg", tiny) as s:
+        assert [m["content"] for ex in s.session.history for m in ex if m["role"] == "user"] == [
+            QUESTIONS[1]
+        ]
+        assert not s.state_loaded  # the state belongs to turn 3, which was rejected
+        _turns(s, QUESTIONS[3:])  # appends after the cut line, on a line of its own
+    skipped = [w for w in store.warn if "skipped" in w]
+    assert len(skipped) == 3 and "cut short" in skipped[-1]
+    assert any("stale" in w for w in store.warn)
+    store.warn.clear()
+    again = read_log(log, store.warn)
+    assert [ex[0]["content"] for ex in again.history] == [QUESTIONS[1], QUESTIONS[3]]
+    assert again.skipped == 3
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
+def test_corrupt_state_is_ignored_and_the_log_kept(tiny, store, saved, damage):
+    sid = f"st-{damage}"
+    _clone(store, saved, sid)
+    state, log = store.path(sid) / STATE, store.path(sid) / LOG
+    data = bytearray(state.read_bytes())
+    if damage == "flip":
+        data[-100] ^= 0xFF  # inside the last tensor: only the checksum notices
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data = bytearray(b"\x00" * 64)
+    state.write_bytes(bytes(data))
+    log_before = log.read_bytes()
+    with store.open(sid, tiny) as s:
+        assert not s.state_loaded and s.resumed_turns == 3 and s.state_error
+        assert state.read_bytes() == bytes(data)  # opening writes nothing over it
+        assert log.read_bytes() == log_before
+        turn = s.session.send(QUESTIONS[3], max_tokens=MAX)
+        assert turn.stats.prefilled_tokens == turn.stats.prompt_tokens
+        s.append_turn(turn)
+        s.save_state()
+    assert log.read_bytes().startswith(log_before)
+    with store.open(sid, tiny) as s:  # the next save replaced the damaged state with a good one
+        assert s.state_loaded and s.resumed_turns == 4
+    assert any("ignored" in w for w in store.warn)
+
+
+def test_foreign_and_stale_states_are_never_used(tiny, store, saved):
+    state = _clone(store, saved, "fs") / STATE
+    good = state.read_bytes()
+    other = dataclasses.replace(
+        tiny, checkpoint=dataclasses.replace(tiny.checkpoint, fingerprint="0" * 16)
+    )
+    with store.open("fs", other) as s:
+        assert not s.state_loaded and "other weights" in s.state_error
+    assert state.read_bytes() == good
+    state.write_bytes(saved.stale)  # the state of turn 2 beside a log that ends with turn 3
+    with store.open("fs", tiny) as s:
+        assert not s.state_loaded and "stale" in s.state_error and s.resumed_turns == 3
+
+
+def test_reset_and_regenerate_replay(tiny, store, saved):
+    _clone(store, saved, "rr")
+    with store.open("rr", tiny) as s:
+        last = s.session.history.pop()  # what /regenerate does before asking again
+        _turns(s, [last[0]["content"]])
+        assert len(s.session.history) == 3
+        history = [list(ex) for ex in s.session.history]
+    with store.open("rr", tiny) as s:
+        assert s.session.history == history and s.state_loaded
+        s.session.reset()
+        s.record_reset()
+    with store.open("rr", tiny) as s:
+        assert s.session.history == [] and not s.state_loaded and s.session.system == SYSTEM
+
+
+def test_attach_saves_an_in_memory_conversation(tiny, store):
+    session = tiny.session(SYSTEM)
+    turns = [session.send(q, max_tokens=MAX) for q in QUESTIONS[:1]]
+    store.attach("att", session, turns).close()
+    with store.open("att", tiny) as s:
+        assert s.state_loaded and s.session.history == session.history
+    with pytest.raises(FileExistsError):
+        store.attach("att", session, turns)
+
+
+@pytest.mark.parametrize("bad", ["../x", "/etc", "a/b", "..", ".", "", "a\\b", ".hidden", "x" * 65])
+def test_unsafe_session_ids_are_rejected(tiny, store, bad):
+    with pytest.raises(SessionIdError, match="invalid session id"):
+        check_id(bad)
+    with pytest.raises(SessionIdError):
+        store.open(bad, tiny)
+    with pytest.raises(SessionIdError):
+        store.remove(bad)
+    assert not (store.root.parent / "x").exists() and not store.root.exists()
+
+
+def test_a_session_is_open_in_one_place_at_a_time(tiny, store):
+    with store.open("busy", tiny):
+        with pytest.raises(SessionBusy):
+            store.open("busy", tiny)
+        with pytest.raises(SessionBusy):
+            store.remove("busy")
+    store.remove("busy")
+    assert store.ids() == []
+
+
+# A child process that writes two good turns, then is SIGKILLed in the middle of writing.
+_CHILD = textwrap.dedent(
+    """
+    import os, sys, time
+    import engine
+    from engine import store as st
+
+    eng = engine.load("tiny")
+    s = st.SessionStore(sys.argv[1]).open("kill", eng, system="sys")
+    for q in ("one", "two"):
+        s.append_turn(s.session.send(q, max_tokens=2)); s.save_state()
+
+    def stuck(data):  # half the bytes reach the file, then the process is killed
+        os.write(fd, data[: len(data) // 2]); os.fsync(fd)
+        print("WRITING", flush=True); time.sleep(60)
+
+    if sys.argv[2] == "log":
+        fd = s._log.fileno()
+        s._write = stuck
+    else:
+        path = s.dir / ".state.safetensors.crash.tmp"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+        st.atomic_write = lambda _path, data: stuck(data)
+    s.append_turn(s.session.send("three", max_tokens=2)); s.save_state()
+    """
+)
+
+
+@pytest.mark.parametrize("where", ["log", "state"])
+def test_sigkill_while_writing_loses_at_most_the_turn_in_flight(tiny, tmp_path, where):
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(tmp_path), where],
+        stdout=subprocess.PIPE,
+        env=os.environ.copy(),
+    )
+    try:
+        assert child.stdout.readline().strip() == b"WRITING"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    warns = Warnings()
+    store = SessionStore(tmp_path, warn=warns)
+    with store.open("kill", tiny) as s:
+        users = [ex[0]["content"] for ex in s.session.history]
+        if where == "log":  # the turn being logged is lost, the state of turn 2 still fits
+            assert users == ["one", "two"] and s.state_loaded
+            assert "cut short" in warns[0]
+        else:  # turn 3 was logged; its state was not: rebuilt from the log
+            assert users == ["one", "two", "three"] and not s.state_loaded
+            assert "stale" in s.state_error
+        assert not list(s.dir.glob("*.tmp"))  # the half-written temporary file is cleaned up
+        s.append_turn(s.session.send("four", max_tokens=2))
+        s.save_state()
+    with store.open("kill", tiny) as s:
+        assert s.state_loaded and s.session.history[-1][0]["content"] == "four"
+
+
+def test_a_failed_state_save_leaves_the_previous_state(tiny, store, saved, monkeypatch):
+    _clone(store, saved, "atom")
+    with store.open("atom", tiny) as s:
+        good = (store.path("atom") / STATE).read_bytes()
+        s.session.send(QUESTIONS[3], max_tokens=MAX)
+
+        def disk_full(fd):
+            raise OSError("disk full")
+
+        monkeypatch.setattr(os, "fsync", disk_full)
+        with pytest.raises(OSError):
+            s.save_state()
+        monkeypatch.undo()
+    assert (store.path("atom") / STATE).read_bytes() == good
+    assert not list(store.path("atom").glob("*.tmp"))
+
+
+def test_bfloat16_arrays_round_trip_bit_exactly():
+    import mlx.core as mx
+
+    from engine.store import _to_mlx, _to_numpy
+
+    a = mx.random.normal((2, 3, 5)).astype(mx.bfloat16)
+    arr, view = _to_numpy(a)
+    b = _to_mlx(arr, view)
+    assert view == "bfloat16" and b.dtype == mx.bfloat16
+    assert mx.array_equal(a.view(mx.uint16), b.view(mx.uint16)).item()
