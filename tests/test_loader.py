@@ -83,3 +83,14 @@ def test_transformers_saved_checkpoint_loads(tiny, tmp_path):
         expected = model(torch.tensor([ids])).logits[0].numpy()
     got = loaded.model(mx.array([ids]), loaded.model.make_caches())[0]
     assert abs(mx.array(expected) - got).max().item() < 1e-4
+
+
+def test_hub_id_offline_is_a_clear_error(monkeypatch):
+    # The Hub path goes through huggingface_hub; offline (as here) it must fail cleanly.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", "/nonexistent-hf-home")
+    for name in ("Qwen/Qwen3.5-0.8B", "qwen3.5-0.8b"):  # a Hub id, and the alias naming it
+        with pytest.raises(
+            CheckpointError, match="Qwen/Qwen3.5-0.8B: could not get it from the Hugging Face Hub"
+        ):
+            engine.load(name)
