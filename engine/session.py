@@ -29,6 +29,8 @@ _TYPICAL_MESSAGE = "x " * 64
 
 
 class Session:
+    """One conversation on an engine; `Engine.session(...)` makes one."""
+
     def __init__(
         self,
         engine,
@@ -80,15 +82,14 @@ class Session:
     ) -> Iterator[str | Turn]:
         """Yield the answer's text pieces (valid UTF-8), then the Turn.
 
+        `tools` (function definitions) become the session's tools once the turn succeeds.
         `validate(turn)` may raise to reject the answer: the turn is then rolled back like any
         other failure. A new message while tool calls are open abandons them. `ignore_eos`
         always generates `max_tokens` tokens (for benchmarks).
         """
         params = SamplingParams(temperature, top_p, top_k, min_p, repetition_penalty, seed=seed)
-        if tools is not None:
-            self.tools = tools
         current = [{"role": "user", "content": text}]
-        return self._turn(current, params, max_tokens, validate, ignore_eos)
+        return self._turn(current, params, max_tokens, validate, ignore_eos, tools)
 
     def send_tool_results(self, results: Sequence, **kwargs) -> Turn:
         return _last(self.stream_tool_results(results, **kwargs))
@@ -109,7 +110,7 @@ class Session:
         params = _params(kwargs)
         return self._turn(
             self.pending + tool_msgs, params, kwargs.get("max_tokens"), kwargs.get("validate"),
-            kwargs.get("ignore_eos", False),
+            kwargs.get("ignore_eos", False), None,
         )  # fmt: skip
 
     def regenerate(self, **kwargs) -> Turn:
@@ -191,17 +192,17 @@ class Session:
 
     # ----- one turn ---------------------------------------------------------------------
 
-    def render(self, current: list[dict], max_tokens: int):
+    def render(self, current: list[dict], max_tokens: int, tools: list[dict] | None = None):
         """The prompt for `current` after the history, windowed to fit `max_tokens` of output."""
         budget = self.context_window - max_tokens
         try:
-            return self._build(current, budget)
+            return self._build(current, budget, self.tools if tools is None else tools)
         except PromptTooLong as e:
             e.args = (f"{e} (context window {self.context_window} minus {max_tokens} tokens "
                       f"reserved for the answer)",)  # fmt: skip
             raise
 
-    def _build(self, current: list[dict], budget: int):
+    def _build(self, current: list[dict], budget: int, tools: list[dict] | None):
         return build_prompt(
             self.engine.tokenizer.encode,
             system=self.system,
@@ -211,12 +212,12 @@ class Session:
             max_tokens=budget,
             variant=self.engine.entry.template,
             enable_thinking=self.enable_thinking,
-            tools=self.tools,
+            tools=tools,
             preserve_thinking=self.preserve_thinking,
             cache=self.segments,
         )
 
-    def _turn(self, current, params, max_tokens, validate, ignore_eos) -> Iterator:
+    def _turn(self, current, params, max_tokens, validate, ignore_eos, tools) -> Iterator:
         # Everything that can reject the input runs here, before the generator starts, so a
         # bad message raises at the call and touches nothing.
         t0 = time.perf_counter()
@@ -224,10 +225,14 @@ class Session:
         max_tokens = self.max_tokens if max_tokens is None else max_tokens
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        prompt = self.render(current, max_tokens)
-        return self._run(prompt, current, Sampler(params), max_tokens, validate, ignore_eos, t0)
+        prompt = self.render(current, max_tokens, tools)
+        return self._run(
+            prompt, current, Sampler(params), max_tokens, validate, ignore_eos, tools, t0
+        )
 
-    def _run(self, prompt, current, sampler, max_tokens, validate, ignore_eos, t0) -> Iterator:
+    def _run(
+        self, prompt, current, sampler, max_tokens, validate, ignore_eos, tools, t0
+    ) -> Iterator:
         b = prompt.boundaries
         stops = {b.system_end, *b.message_starts, *b.assistant_starts, b.generation_start or 0}
         progress = Progress()
@@ -257,6 +262,8 @@ class Session:
                     self.seq.rollback(progress.undo)  # a failed turn leaves no trace
                 raise
             self._record(current, turn)
+            if tools is not None:
+                self.tools = tools  # the session's tools from now on
             self.last_turn = turn
         yield turn
 
