@@ -82,13 +82,26 @@ class RecurrentCache:
         self.conv: mx.array | None = None  # [B, K-1, C]
         self.state: mx.array | None = None  # [B, Hv, Dv, Dk] float32
         self.offset = 0
+        # Positions inside the next update (relative to its start) whose state the caller
+        # wants, and what the layer recorded there (by absolute position): snapshots at
+        # ChatML boundaries without splitting the forward pass at each of them.
+        self.capture: list[int] = []
+        self.captured: dict[int, tuple[mx.array, mx.array]] = {}
 
     def update(self, conv: mx.array, state: mx.array, n: int) -> None:
         self.conv, self.state = conv, state  # rebind, never write in place: snapshots share
         self.offset += n
 
-    def snapshot(self) -> tuple[mx.array | None, mx.array | None, int]:
-        return self.conv, self.state, self.offset
+    def record(self, at: int, conv: mx.array, state: mx.array) -> None:
+        self.captured[self.offset + at] = (conv, state)
+
+    def snapshot(self, pos: int | None = None) -> tuple[mx.array | None, mx.array | None, int]:
+        """The state at `pos` (default: now): the live one or one recorded by `capture`."""
+        if pos is None or pos == self.offset:
+            return self.conv, self.state, self.offset
+        if pos not in self.captured:
+            raise ValueError(f"recurrent cache at {self.offset} has no state recorded at {pos}")
+        return (*self.captured[pos], pos)
 
     def restore(self, snap: tuple[mx.array | None, mx.array | None, int]) -> None:
         self.conv, self.state, self.offset = snap

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
+from .cache import RecurrentCache
 from .model import Qwen35
 from .sampling import Sampler
 
@@ -24,22 +25,14 @@ def eval_caches(caches: list) -> None:
                   getattr(c, "conv", None), getattr(c, "state", None)):  # fmt: skip
             if isinstance(a, mx.array):
                 arrays.append(a)
+        for recorded in getattr(c, "captured", {}).values():
+            arrays.extend(recorded)
     mx.eval(arrays)
 
 
-def chunk_ends(start: int, end: int, stops: Sequence[int], chunk: int = PREFILL_CHUNK) -> list[int]:
-    """Chunk end positions covering (start, end]: every stop in range, and at most `chunk` apart."""
-    if start >= end:
-        return []
-    marks = sorted({s for s in stops if start < s < end} | {end})
-    out, pos = [], start
-    for m in marks:
-        while m - pos > chunk:
-            pos += chunk
-            out.append(pos)
-        out.append(m)
-        pos = m
-    return out
+def chunk_ends(start: int, end: int, chunk: int = PREFILL_CHUNK) -> list[int]:
+    """Chunk end positions covering (start, end], at most `chunk` apart."""
+    return list(range(start + chunk, end, chunk)) + ([end] if end > start else [])
 
 
 def prefill(
@@ -61,21 +54,29 @@ def prefill(
     position (None if `logits` is False or the work was cancelled) and that position.
     """
     pos = start
-    ends = chunk_ends(start, len(ids), stops, chunk)
+    recurrent = [c for c in caches if isinstance(c, RecurrentCache)]
     out = None
-    for end in ends:
+    for end in chunk_ends(start, len(ids), chunk):
         if cancelled is not None and cancelled():
             return None, pos
-        x = mx.array([ids[pos:end]])
-        if end == len(ids) and logits:
-            out = model(x, caches, last_only=True)[0, -1]
-            mx.eval(out)
-        else:
-            model.hidden(x, caches)  # no logits for positions nobody reads
-        eval_caches(caches)
-        pos = end
-        if on_stop is not None and pos in stops:
-            on_stop(pos)
+        inside = sorted(s for s in stops if pos < s <= end)
+        try:
+            for c in recurrent:  # record the states at the stops inside this chunk
+                c.capture = [s - pos for s in inside if s < end]
+            x = mx.array([ids[pos:end]])
+            if end == len(ids) and logits:
+                out = model(x, caches, last_only=True)[0, -1]
+                mx.eval(out)
+            else:
+                model.hidden(x, caches)  # no logits for positions nobody reads
+            eval_caches(caches)
+            pos = end
+            if on_stop is not None:
+                for s in inside:
+                    on_stop(s)
+        finally:
+            for c in recurrent:
+                c.capture, c.captured = [], {}
     return out, pos
 
 

@@ -92,16 +92,30 @@ class GatedDeltaNet(nn.Module):
         state = cache.state
         if state is None:
             state = mx.zeros((B, self.hv, self.dv, self.dk), dtype=mx.float32)
-        if T > 1 and self.options.chunked_delta:  # prefill: the kernel picks its fastest path
-            y, state = chunked_gated_delta(q, k, v, g, beta, state)
-        else:
-            y, state = mx.fast.gated_delta_update(q, k, v, g, beta, state)
+        # The recurrence runs in segments split at the positions the caller wants snapshots of
+        # (cache.capture): the projections and MLPs still see the whole chunk at once.
+        ys, start = [], 0
+        for cut in [c for c in cache.capture if 0 < c < T] + [T]:
+            y, state = self._delta(q, k, v, g, beta, state, start, cut)
+            ys.append(y)
+            if cut < T:  # the conv tail at `cut` is the K-1 inputs before it
+                cache.record(cut, window[:, cut : cut + self.kernel - 1], state)
+            start = cut
+        y = ys[0] if len(ys) == 1 else mx.concatenate(ys, axis=1)
         cache.update(window[:, -(self.kernel - 1) :], state, T)
 
         z = self.in_proj_z(x).reshape(B, T, self.hv, self.dv)
         y = _rms_norm(y, self.norm.weight, self.eps)
         y = (nn.silu(z.astype(mx.float32)) * y.astype(mx.float32)).astype(x.dtype)
         return self.out_proj(y.reshape(B, T, -1))
+
+    def _delta(self, q, k, v, g, beta, state, start: int, end: int):
+        """The gated delta rule over positions [start, end) of the chunk."""
+        seg = slice(start, end)
+        q, k, v, g, beta = q[:, seg], k[:, seg], v[:, seg], g[:, seg], beta[:, seg]
+        if end - start > 1 and self.options.chunked_delta:  # the kernel picks its fastest path
+            return chunked_gated_delta(q, k, v, g, beta, state)
+        return mx.fast.gated_delta_update(q, k, v, g, beta, state)
 
 
 class Attention(nn.Module):

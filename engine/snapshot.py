@@ -37,10 +37,9 @@ def take(caches: list, pos: int) -> Snapshot:
     layers, nbytes = [], 0
     for c in caches:
         if isinstance(c, RecurrentCache):
-            if c.offset != pos:
-                raise ValueError(f"recurrent cache at {c.offset}, snapshot asked at {pos}")
-            layers.append(c.snapshot())
-            nbytes += c.nbytes
+            layer = c.snapshot(pos)  # the live state, or one recorded inside the last chunk
+            layers.append(layer)
+            nbytes += sum(a.nbytes for a in layer[:2] if a is not None)
         else:
             layers.append(None)
     return Snapshot(pos, layers, nbytes)

@@ -140,7 +140,7 @@ def _fail_after(monkeypatch, eng, calls):
                     monkeypatch.setattr(type(eng.model), "__call__", real_call))  # fmt: skip
 
 
-@pytest.mark.parametrize("fail_at", [1, 2, 6])  # first prefill chunk, a later chunk, decode
+@pytest.mark.parametrize("fail_at", [1, 2, 4])  # first prefill chunk, the second, decode
 def test_exception_mid_turn_rolls_back(tiny, monkeypatch, first_logits, fail_at):
     s = tiny.session("You are a helpful assistant.")
     s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
@@ -148,7 +148,7 @@ def test_exception_mid_turn_rolls_back(tiny, monkeypatch, first_logits, fail_at)
     history, tokens = [list(e) for e in s.history], list(s.tokens)
     undo = _fail_after(monkeypatch, tiny, fail_at)
     with pytest.raises(Boom):
-        s.send(QUESTIONS[4] * 8, max_tokens=MAX_TOKENS)  # long: several prefill chunks
+        s.send(QUESTIONS[4] * 20, max_tokens=MAX_TOKENS)  # long: two prefill chunks
     undo()
     assert s.history == history
     assert tokens[: len(s.tokens)] == s.tokens  # the cache holds a prefix of what it had

@@ -70,7 +70,7 @@ def test_send_during_warm_is_served_correctly_and_promptly(tiny):
 def test_cancelled_warm_keeps_what_it_finished(tiny):
     s = tiny.session("sys", max_exchanges=2)
     for q in QUESTIONS[:3]:
-        s.send(q * 10, max_tokens=MAX_TOKENS)  # the next turn trims: a long warm-up
+        s.send(q * 30, max_tokens=MAX_TOKENS)  # the next turn trims: a long warm-up
     calls = []
     done = s.warm(lambda: calls.append(1) or len(calls) > 2)  # stop after two chunks
     assert 0 < done <= 2 * 128
