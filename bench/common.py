@@ -1,0 +1,125 @@
+"""What every benchmark shares: the conditions of a run, the checkpoints, mlx-lm loading.
+
+Benchmarks record where they ran (CPU, cores, mlx and mlx-lm versions, BLAS, dtype, thread
+settings) next to every number, because the numbers mean nothing without them. Checkpoints of
+the true architectures are built once from the registry with seeded random weights (speed does
+not depend on the values) and cached under `$CHATML_HOME/bench-models/`, never in git.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import resource
+import sys
+from pathlib import Path
+
+# Thread settings that change CPU numbers; recorded, never set behind the user's back.
+THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MLX_NUM_THREADS", "CHATML_BLAS")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def conditions(**extra) -> dict:
+    """The machine and software a measurement ran on (call after `import engine`)."""
+    import mlx.core as mx
+
+    from kernels import blas
+
+    info = blas.info()
+    out = {
+        "platform": f"{platform.system()} {platform.machine()}",
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "mlx_lm": version("mlx-lm"),
+        "device": str(mx.default_device()),
+        "blas": info.provider,
+        "blas_library": info.library,
+        "env": {k: os.environ[k] for k in THREAD_VARS if k in os.environ},
+        "load_average": _load_average(),
+    }
+    out.update(extra)
+    return out
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def bench_models_dir() -> Path:
+    from engine.paths import chatml_home
+
+    return chatml_home() / "bench-models"
+
+
+def model_path(name: str, models_dir: str | None = None, dtype: str = "float32") -> Path:
+    """A checkpoint folder for `name`: a folder as given, `tiny` embedded, or built once."""
+    from engine import registry
+    from engine.builder import build
+    from engine.loader import resolve
+
+    if Path(name).expanduser().is_dir():
+        return Path(name).expanduser()
+    entries = registry.registry()
+    if name not in entries:
+        raise SystemExit(f"unknown model {name!r}; known: {', '.join(entries)} or a folder")
+    entry = entries[name]
+    if entry.embedded:
+        return resolve(name)[0]
+    out = Path(models_dir).expanduser() if models_dir else bench_models_dir()
+    out = out / f"{name}-{dtype}"
+    if not (out / "config.json").exists():
+        print(f"building {name} ({dtype}) under {out} (once)", file=sys.stderr)
+        build(entry, out, dtype=dtype, progress=True)
+    return out
+
+
+def load_mlx_lm(path: Path):
+    """mlx-lm's own loader on the same folder, computing in float32 like the engine on CPU."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    model, tokenizer = load(str(path))
+    model.set_dtype(mx.float32)  # fairness: bfloat16 matmuls skip BLAS on CPUs
+    mx.eval(model.parameters())  # weights load lazily: keep that out of the first timing
+    return model, tokenizer
+
+
+def special_ids(vocab_size: int) -> list[int]:
+    """Ids the benchmarks never sample: special tokens and the unused rows past them.
+
+    Masking these gives every engine the same fixed decode length (no EOS), and keeps
+    random-weight gibberish from opening think or tool-call blocks that would change the
+    conversation's shape.
+    """
+    from engine.tokenizer import special_tokens
+
+    first = min(i for i, _ in special_tokens())
+    return list(range(first, vocab_size))
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024

@@ -1,0 +1,497 @@
+"""Replay a scripted multi-turn chat through this engine and mlx-lm; time to first token per turn.
+
+Run: ``chatml bench replay --model qwen3.5-0.8b [--turns 20] [--thinking on|off]
+[--max-tokens 32] [--json FILE] [--plot FILE]``.
+
+One run plays the same conversation (bench/conversation.py) through:
+
+- ``chatml``: ``engine.load(path).session(system, max_exchanges=6).send(...)``;
+- ``chatml_warm``: the same, calling ``Session.warm()`` after each answer (idle-time prefill
+  of the next prompt's known prefix), when the engine has it;
+- ``mlx_lm_stock``: ``mlx_lm.stream_generate`` on the full prompt ids with a fresh cache each
+  turn (a stateless client of a stateless server);
+- ``mlx_lm_prompt_cache``: mlx-lm's ``LRUPromptCache`` driven the way ``mlx_lm.server`` does,
+  with its checkpoints at the end of the system prompt, at the prompt end before the think
+  tail, and at the end of generation.
+
+Every engine sees the same prompt ids per turn: this engine renders each prompt (its history
+is what it generated) and mlx-lm is fed ``Turn.prompt_ids``. Decoding is greedy with the
+special tokens masked, so every engine decodes exactly ``--max-tokens`` tokens. The engines
+run one after the other within each turn, so a noisy machine hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from bench.common import conditions, load_mlx_lm, model_path, special_ids
+from bench.conversation import SYSTEM, user_turns
+
+ENGINES = ("chatml", "chatml_warm", "mlx_lm_stock", "mlx_lm_prompt_cache")
+LABELS = {
+    "chatml": "chatml",
+    "chatml_warm": "chatml (warm)",
+    "mlx_lm_stock": "mlx-lm stock",
+    "mlx_lm_prompt_cache": "mlx-lm prompt cache",
+}
+PREFILL_STEP = 2048  # mlx-lm's default prefill_step_size (generate_step and the server)
+
+
+# ----- fixed-length greedy decoding ----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def masked_sampling(banned: list[int]) -> Iterator[None]:
+    """Make the engine's sessions sample with `banned` ids at -inf (no EOS, no special tokens).
+
+    The Session API has no logits processor, so the benchmark swaps the Sampler class the
+    session module builds its samplers from, for the duration of the run.
+    """
+    import mlx.core as mx
+
+    import engine.session as session_module
+
+    original = session_module.Sampler
+    idx = mx.array(banned)
+
+    class MaskedSampler(original):
+        def __call__(self, logits, recent):
+            logits = logits.astype(mx.float32)
+            logits[idx] = -mx.inf
+            return super().__call__(logits, recent)
+
+    session_module.Sampler = MaskedSampler
+    try:
+        yield
+    finally:
+        session_module.Sampler = original
+
+
+def mlx_lm_mask(banned: list[int]):
+    """An mlx-lm logits processor with the same mask."""
+    import mlx.core as mx
+
+    idx = mx.array(banned)
+
+    def processor(tokens, logits):
+        logits[:, idx] = -mx.inf
+        return logits
+
+    return processor
+
+
+# ----- the mlx-lm series ---------------------------------------------------------------------
+
+
+def _stream(model, tokenizer, prompt: list[int], cache, max_tokens: int, processor, t0: float):
+    """Run mlx-lm's stream_generate; returns (ttft_s, decode_tps, generated ids)."""
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    first = last = None
+    tokens: list[int] = []
+    for r in stream_generate(
+        model, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(0.0),
+        logits_processors=[processor], prompt_cache=cache, prefill_step_size=PREFILL_STEP,
+    ):  # fmt: skip
+        last = time.perf_counter()
+        if first is None:
+            first = last
+        tokens.append(r.token)
+    n = len(tokens)
+    tps = (n - 1) / (last - first) if n > 1 and last > first else 0.0
+    return first - t0, tps, tokens
+
+
+def mlx_lm_stock_turn(model, tokenizer, ids: list[int], max_tokens: int, processor) -> dict:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    t0 = time.perf_counter()
+    cache = make_prompt_cache(model)
+    ttft, tps, tokens = _stream(model, tokenizer, ids, cache, max_tokens, processor, t0)
+    return {
+        "reused_tokens": 0,
+        "prefilled_tokens": len(ids),
+        "ttft_s": ttft,
+        "decode_tps": tps,
+        "generated_tokens": len(tokens),
+        "cache_bytes": sum(c.nbytes for c in cache),
+    }
+
+
+class MlxLmPromptCache:
+    """mlx-lm's server-side prompt cache, as `mlx_lm.server` uses it for chat requests.
+
+    The server splits a chat prompt into segments (system prompt; the rest up to the think
+    tail; the tail) and stores a cache copy in its `LRUPromptCache` at the end of each
+    non-final segment and at the end of generation; each request starts from the nearest
+    stored cache (Qwen3.5's recurrent layers cannot be trimmed, so only a stored prefix of
+    the prompt can be reused). This drives the same calls without the HTTP layer; copies are
+    `copy.deepcopy` as in `fetch_nearest_cache`.
+    """
+
+    KEY = "bench"
+
+    def __init__(self, model, tokenizer, max_size: int = 10):
+        from mlx_lm.models.cache import LRUPromptCache
+
+        self.model, self.tokenizer = model, tokenizer
+        self.lru = LRUPromptCache(max_size)
+
+    def checkpoints(self, ids: list[int], system_end: int) -> list[tuple[int, str]]:
+        """The server's segment ends before the last segment: (position, cache type)."""
+        out = []
+        if 0 < system_end < len(ids):
+            out.append((system_end, "system"))
+        tail = len(ids)
+        if self.tokenizer.has_thinking:  # server._tokenize: a think tail of up to 11 tokens
+            start = self.tokenizer.rfind_think_start(ids, start=len(ids) - 11)
+            if start >= 0:
+                tail = start
+        if system_end < tail < len(ids):
+            out.append((tail, "user"))
+        return out
+
+    def turn(self, ids: list[int], system_end: int, max_tokens: int, processor) -> dict:
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        t0 = time.perf_counter()
+        cache, rest = self.lru.fetch_nearest_cache(self.KEY, ids)
+        reused = len(ids) - len(rest)
+        if cache is None:
+            cache = make_prompt_cache(self.model)
+        pos = reused
+        for end, kind in self.checkpoints(ids, system_end):
+            if end <= pos:
+                continue
+            for a in range(pos, end, PREFILL_STEP):
+                self.model(mx.array(ids[a : min(end, a + PREFILL_STEP)])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+            self.lru.insert_cache(self.KEY, ids[:end], copy.deepcopy(cache), cache_type=kind)
+            pos = end
+        ttft, tps, tokens = _stream(
+            self.model, self.tokenizer, ids[pos:], cache, max_tokens, processor, t0
+        )
+        # generate_step feeds every token it yields, so the cache holds prompt + answer.
+        self.lru.insert_cache(self.KEY, ids + tokens, cache, cache_type="assistant")
+        return {
+            "reused_tokens": reused,
+            "prefilled_tokens": len(ids) - reused,
+            "ttft_s": ttft,
+            "decode_tps": tps,
+            "generated_tokens": len(tokens),
+            "cache_bytes": self.lru.nbytes,
+        }
+
+
+# ----- the run -------------------------------------------------------------------------------
+
+
+def template_minimum(prompt, prev_dropped: int | None) -> tuple[int, bool]:
+    """(the fewest tokens any cache can avoid recomputing, whether this turn trims).
+
+    The template re-renders the previous answer, so everything from right after its
+    `<|im_start|>assistant\\n` on is new; a turn that drops an exchange from the window changes
+    everything after the system block.
+    """
+    b = prompt.boundaries
+    if prev_dropped is None or not b.assistant_starts:
+        return len(prompt.ids), False
+    if prompt.dropped > prev_dropped:
+        return len(prompt.ids) - b.system_end, True
+    return len(prompt.ids) - b.assistant_starts[-1], False
+
+
+def _chatml_row(turn) -> dict:
+    s = turn.stats
+    return {
+        "reused_tokens": s.reused_tokens,
+        "prefilled_tokens": s.prefilled_tokens,
+        "ttft_s": s.ttft_s,
+        "decode_tps": s.decode_tps,
+        "generated_tokens": s.generated_tokens,
+        "cache_bytes": s.cache_bytes,
+    }
+
+
+def run(
+    model: str = "tiny",
+    *,
+    turns: int = 20,
+    thinking: bool = False,
+    max_tokens: int = 32,
+    engines: tuple[str, ...] = ENGINES,
+    models_dir: str | None = None,
+    progress: bool = True,
+) -> dict:
+    """Play the conversation; returns {"conditions", "turns", "engines": {name: [rows]}}."""
+    import engine as chatml
+
+    path = model_path(model, models_dir)
+    eng = chatml.load(path)
+    banned = special_ids(eng.entry.arch.vocab_size)
+    want_mlx = any(e.startswith("mlx_lm") for e in engines)
+    lm_model = lm_tok = None
+    if want_mlx:
+        lm_model, lm_tok = load_mlx_lm(path)
+    processor = mlx_lm_mask(banned)
+
+    session = eng.session(SYSTEM, max_exchanges=6, enable_thinking=thinking)
+    warm_session = None
+    notes = []
+    if "chatml_warm" in engines:
+        if hasattr(session, "warm"):
+            warm_session = eng.session(SYSTEM, max_exchanges=6, enable_thinking=thinking)
+        else:
+            notes.append("Session.warm() does not exist in this engine: no chatml_warm series")
+    pcache = MlxLmPromptCache(lm_model, lm_tok) if "mlx_lm_prompt_cache" in engines else None
+
+    _warm_up(eng, lm_model, lm_tok, processor)
+    results: dict[str, list[dict]] = {e: [] for e in engines if e != "chatml_warm"}
+    if warm_session is not None:
+        results["chatml_warm"] = []
+    per_turn: list[dict] = []
+    prev_dropped = None
+    messages = user_turns(turns)
+    bar = _bar(len(messages), progress)
+    t_run = time.perf_counter()
+    with masked_sampling(banned):
+        for i, text in enumerate(messages, 1):
+            current = [{"role": "user", "content": text}]
+            prompt = session.render(current, max_tokens)  # the prompt send() is about to build
+            minimum, trims = template_minimum(prompt, prev_dropped)
+            prev_dropped = prompt.dropped
+            turn = session.send(text, max_tokens=max_tokens)
+            if turn.prompt_ids != prompt.ids:
+                raise RuntimeError(f"turn {i}: the session rendered a different prompt")
+            ids = turn.prompt_ids
+            info = {
+                "turn": i,
+                "prompt_tokens": len(ids),
+                "min_prefill_tokens": minimum,
+                "trims_window": trims,
+                "dropped_exchanges": prompt.dropped,
+                "user_chars": len(text),
+            }
+            per_turn.append(info)
+            results["chatml"].append(
+                {**info, **_chatml_row(turn), "met_minimum": turn.stats.prefilled_tokens <= minimum}
+            )
+            if warm_session is not None:
+                results["chatml_warm"].append(_warm_turn(warm_session, text, max_tokens, ids, info))
+            if lm_model is not None and "mlx_lm_stock" in results:
+                row = mlx_lm_stock_turn(lm_model, lm_tok, ids, max_tokens, processor)
+                results["mlx_lm_stock"].append({**info, **row})
+            if pcache is not None:
+                row = pcache.turn(ids, prompt.boundaries.system_end, max_tokens, processor)
+                results["mlx_lm_prompt_cache"].append({**info, **row})
+            if warm_session is not None:  # idle time after the answer, before the next message
+                _warm(warm_session, results["chatml_warm"][-1], last=i == len(messages))
+            bar.update(1)
+            bar.set_postfix_str(f"prompt {len(ids)} tok")
+    bar.close()
+    # Each warm row also states the idle-time work done before it (the previous turn's warm()).
+    warm_rows = results.get("chatml_warm", [])
+    for prev, row in zip([None, *warm_rows], warm_rows, strict=False):
+        row["warm_s"] = prev.get("warm_s_after", 0.0) if prev else 0.0
+        row["warm_prefilled_tokens"] = prev.get("warm_prefilled_after", 0) if prev else 0
+    cond = conditions(
+        model=model,
+        checkpoint=str(path),
+        dtype_chatml=str(eng.dtype),
+        dtype_mlx_lm="float32" if lm_model is not None else None,
+        turns=turns,
+        thinking=thinking,
+        max_tokens=max_tokens,
+        max_exchanges=6,
+        decoding="greedy, special tokens masked: every engine decodes exactly max_tokens",
+        prefill_step_mlx_lm=PREFILL_STEP,
+        mlx_lm_blas="same process as the engine: mlx-lm uses the engine's BLAS too",
+        wall_s=round(time.perf_counter() - t_run, 1),
+        notes=notes,
+    )
+    return {"conditions": cond, "turns": per_turn, "engines": results}
+
+
+def _warm_up(eng, lm_model, lm_tok, processor) -> None:
+    """One short throwaway generation per engine: first-call setup stays out of turn 1."""
+    from engine.generate import decode, prefill
+    from engine.sampling import Sampler, SamplingParams
+
+    ids = eng.tokenizer.encode("warm-up: " + SYSTEM)
+    caches = eng.model.make_caches()
+    logits, _ = prefill(eng.model, caches, ids, 0)
+    for _ in decode(eng.model, caches, logits, Sampler(SamplingParams()), max_tokens=2,
+                    stop_ids=(), history=list(ids)):  # fmt: skip
+        pass
+    if lm_model is not None:
+        mlx_lm_stock_turn(lm_model, lm_tok, ids, 2, processor)
+
+
+def _warm_turn(session, text: str, max_tokens: int, ids: list[int], info: dict) -> dict:
+    turn = session.send(text, max_tokens=max_tokens)
+    row = {**info, **_chatml_row(turn)}
+    row["same_prompt"] = turn.prompt_ids == ids
+    row["warm_tokens_stat"] = getattr(turn.stats, "warm_tokens", 0)
+    row["met_minimum"] = turn.stats.prefilled_tokens <= info["min_prefill_tokens"]
+    return row
+
+
+def _warm(session, row: dict, last: bool) -> None:
+    """Idle-time prefill for the next turn, timed on its own (not part of any TTFT)."""
+    if last:
+        return
+    t = time.perf_counter()
+    n = session.warm()
+    row["warm_s_after"] = time.perf_counter() - t
+    row["warm_prefilled_after"] = int(n or 0)
+
+
+def _bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="replay", unit="turn", disable=not enabled, file=sys.stderr)
+
+
+# ----- reporting -----------------------------------------------------------------------------
+
+
+def summary(result: dict) -> dict:
+    """The targets: TTFT ratios from turn 3 on, minimum prefill, decode speed."""
+    e = result["engines"]
+    out: dict = {}
+    chat = e.get("chatml", [])
+    out["chatml_met_minimum_all_turns"] = all(r["met_minimum"] for r in chat)
+    out["chatml_excess_prefill_tokens"] = sum(
+        max(0, r["prefilled_tokens"] - r["min_prefill_tokens"]) for r in chat
+    )
+    for name in ("chatml", "chatml_warm"):
+        rows = [r for r in e.get(name, []) if r["turn"] >= 3]
+        if not rows:
+            continue
+        for base in ("mlx_lm_stock", "mlx_lm_prompt_cache"):
+            brow = {r["turn"]: r for r in e.get(base, [])}
+            ratios = [brow[r["turn"]]["ttft_s"] / r["ttft_s"] for r in rows if r["turn"] in brow]
+            if ratios:
+                out[f"{name}_vs_{base}_ttft_ratio_min"] = min(ratios)
+                out[f"{name}_vs_{base}_ttft_ratio_median"] = sorted(ratios)[len(ratios) // 2]
+                out[f"{name}_slower_than_{base}_turns"] = [
+                    r["turn"] for r, q in zip(rows, ratios, strict=False) if q < 1.0
+                ]
+    for name in e:
+        tps = [r["decode_tps"] for r in e[name] if r["decode_tps"] > 0]
+        ttft = [r["ttft_s"] for r in e[name] if r["turn"] >= 3]
+        out[f"{name}_decode_tps_median"] = sorted(tps)[len(tps) // 2] if tps else 0.0
+        out[f"{name}_ttft_s_sum_from_turn3"] = sum(ttft)
+    if "mlx_lm_stock" in e and out.get("mlx_lm_stock_decode_tps_median"):
+        out["chatml_decode_vs_mlx_lm_stock"] = (
+            out["chatml_decode_tps_median"] / out["mlx_lm_stock_decode_tps_median"]
+        )
+    return out
+
+
+def print_table(result: dict) -> None:
+    e = result["engines"]
+    names = [n for n in ENGINES if n in e]
+    head = f"{'turn':>4} {'prompt':>6} {'min':>5} {'trim':>4} "
+    head += " ".join(f"{LABELS[n][:19]:>19}" for n in names)
+    print("prefilled tokens / time to first token (s) per engine")
+    print(head)
+    for k, info in enumerate(result["turns"]):
+        cells = []
+        for n in names:
+            r = e[n][k]
+            cells.append(f"{r['prefilled_tokens']:>7d} {r['ttft_s']:>8.3f}s   ")
+        trim = "yes" if info["trims_window"] else ""
+        print(
+            f"{info['turn']:>4} {info['prompt_tokens']:>6} {info['min_prefill_tokens']:>5} "
+            f"{trim:>4} " + " ".join(f"{c:>19}" for c in cells)
+        )
+    print("decode tokens/s (median): " + ", ".join(
+        f"{LABELS[n]} {sorted(r['decode_tps'] for r in e[n])[len(e[n]) // 2]:.2f}" for n in names
+    ))  # fmt: skip
+    if "chatml_warm" in e:
+        warm = [r.get("warm_s_after", 0.0) for r in e["chatml_warm"]]
+        print(f"chatml (warm): warm() took {sum(warm):.2f} s in all, max {max(warm):.2f} s")
+
+
+def plot(result: dict, file: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    e = result["engines"]
+    turns = [t["turn"] for t in result["turns"]]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    for name in ENGINES:
+        if name not in e:
+            continue
+        ax1.plot(turns, [r["ttft_s"] for r in e[name]], marker="o", ms=3, label=LABELS[name])
+        ax2.plot(turns, [r["prefilled_tokens"] for r in e[name]], marker="o", ms=3,
+                 label=LABELS[name])  # fmt: skip
+    ax2.plot(turns, [t["min_prefill_tokens"] for t in result["turns"]], "k--", lw=1,
+             label="template minimum")  # fmt: skip
+    c = result["conditions"]
+    ax1.set_yscale("log")
+    ax1.set_ylabel("time to first token (s)")
+    ax1.set_title(
+        f"replay: {c['model']}, {c['max_tokens']} decode tokens/turn, thinking "
+        f"{'on' if c['thinking'] else 'off'} ({c['cpu'][:40]}, {c['cores']} cores)",
+        fontsize=9,
+    )
+    ax2.set_yscale("log")
+    ax2.set_ylabel("prefilled tokens")
+    ax2.set_xlabel("turn")
+    ax2.set_xticks(turns)
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(file).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(file, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny", help="registry name or checkpoint folder")
+    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--thinking", choices=["on", "off"], default="off")
+    ap.add_argument("--max-tokens", type=int, default=32, help="decode tokens per turn (fixed)")
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset")
+    ap.add_argument("--models-dir", help="where big checkpoints are built and cached")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--plot", help="write a PNG plot here")
+    ap.add_argument("--no-progress", action="store_true")
+    a = ap.parse_args()
+    engines = tuple(x for x in a.engines.split(",") if x)
+    unknown = set(engines) - set(ENGINES)
+    if unknown or "chatml" not in engines:
+        ap.error(f"--engines: choose from {', '.join(ENGINES)} (chatml is required)")
+    result = run(
+        a.model, turns=a.turns, thinking=a.thinking == "on", max_tokens=a.max_tokens,
+        engines=engines, models_dir=a.models_dir, progress=not a.no_progress,
+    )  # fmt: skip
+    result["summary"] = summary(result)
+    print_table(result)
+    for note in result["conditions"]["notes"]:
+        print(f"note: {note}")
+    print(json.dumps(result["summary"], indent=1))
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    if a.plot:
+        plot(result, a.plot)
+
+
+if __name__ == "__main__":
+    main()

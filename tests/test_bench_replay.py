@@ -1,0 +1,59 @@
+"""Smoke test of the replay benchmark on tiny: JSON shape and minimum prefill."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from bench import replay
+
+ROW_KEYS = {"turn", "prompt_tokens", "reused_tokens", "prefilled_tokens", "ttft_s", "decode_tps",
+            "cache_bytes", "min_prefill_tokens"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("replay")
+    argv = ["chatml bench replay", "--model", "tiny", "--turns", "3", "--max-tokens", "2",
+            "--json", str(out / "r.json"), "--plot", str(out / "r.png"), "--no-progress"]  # fmt: skip
+    saved, sys.argv = sys.argv, argv
+    try:
+        replay.main()
+    finally:
+        sys.argv = saved
+    assert (out / "r.png").stat().st_size > 0
+    return json.loads((out / "r.json").read_text())
+
+
+def test_structure(result):
+    engines = result["engines"]
+    for name in ("chatml", "mlx_lm_stock", "mlx_lm_prompt_cache"):
+        rows = engines[name]
+        assert [r["turn"] for r in rows] == [1, 2, 3]
+        for r in rows:
+            assert ROW_KEYS <= set(r)
+            assert r["reused_tokens"] + r["prefilled_tokens"] == r["prompt_tokens"]
+            assert r["generated_tokens"] == 2  # fixed decode length: stop tokens are masked
+    for key in ("mlx", "mlx_lm", "cpu", "cores", "blas", "max_tokens"):
+        assert key in result["conditions"]
+    # every engine saw the same prompt per turn
+    prompts = {n: [r["prompt_tokens"] for r in rows] for n, rows in engines.items()}
+    assert len({tuple(p) for p in prompts.values()}) == 1
+
+
+def test_chatml_prefills_the_minimum(result):
+    for r in result["engines"]["chatml"]:
+        assert r["prefilled_tokens"] == r["min_prefill_tokens"], r
+        assert r["met_minimum"]
+    stock = result["engines"]["mlx_lm_stock"]
+    assert all(r["prefilled_tokens"] == r["prompt_tokens"] for r in stock)
+
+
+def test_warm_series_if_available(result):
+    rows = result["engines"].get("chatml_warm")
+    if rows is None:
+        pytest.skip("Session.warm() not in this engine")
+    assert all(r["same_prompt"] for r in rows)
+    assert all(r["met_minimum"] for r in rows)
