@@ -9,6 +9,7 @@ not depend on the values) and cached under `$CHATML_HOME/bench-models/`, never i
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import resource
@@ -27,6 +28,13 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def write_json(path: str | None, result: dict) -> None:
+    """Write a bench result where `--json` asked for it (its folder created)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1))
 
 
 def version(package: str) -> str:

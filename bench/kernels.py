@@ -16,20 +16,12 @@ import sys
 import time
 from pathlib import Path
 
+from bench.common import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Qwen3.5-0.8B Gated DeltaNet layer shapes.
 B, HK, HV, DK, DV = 1, 16, 16, 128, 128
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _best(fn, repeats: int) -> float:
@@ -116,7 +108,7 @@ def main() -> None:
     ref = run_child("0", [int(t) for t in a.ref_ts.split(",") if t], a.repeats)
     cond = {
         "mlx": fast["mlx"],
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "blas": fast["blas"],

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
+from bench.common import write_json
 from bench.throughput import CONFIGS, _ints, measure, print_table
 
 TARGET = 10.0  # issue 5: chatml prefill >= 10x mlx-lm stock
@@ -69,9 +69,7 @@ def main() -> None:
     for name, vals in result["ratios"].items():
         print(f"{name:<34} " + "  ".join(f"{t}: {v:.1f}x" for t, v in vals.items()))
     print(json.dumps({"bench": "prefill", **result}))
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=1))
+    write_json(a.json, result)
 
 
 if __name__ == "__main__":

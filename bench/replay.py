@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from bench.common import conditions, load_mlx_lm, model_path, special_ids
+from bench.common import conditions, load_mlx_lm, model_path, special_ids, write_json
 from bench.conversation import SYSTEM, user_turns
 
 ENGINES = ("chatml", "chatml_warm", "mlx_lm_stock", "mlx_lm_prompt_cache")
@@ -486,9 +486,7 @@ def main() -> None:
     for note in result["conditions"]["notes"]:
         print(f"note: {note}")
     print(json.dumps(result["summary"], indent=1))
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=1))
+    write_json(a.json, result)
     if a.plot:
         plot(result, a.plot)
 

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.common import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("chatml", "chatml_sequential", "mlx_lm", "mlx_lm_stock")
 DECODE_PROMPT = 512
@@ -222,9 +224,7 @@ def main() -> None:
     )  # fmt: skip
     print_table(result)
     print(json.dumps({"bench": "throughput", **result}))
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=1))
+    write_json(a.json, result)
 
 
 if __name__ == "__main__":
