@@ -44,11 +44,6 @@ class KVCache:
         self.offset = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
-    def trim(self, n: int) -> int:
-        n = min(n, self.offset)
-        self.offset -= n
-        return n
-
     def snapshot(self) -> int:
         return self.offset
 
@@ -112,7 +107,3 @@ class RecurrentCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.conv, self.state) if a is not None)
-
-
-def snapshot_nbytes(snap: tuple[mx.array | None, mx.array | None, int]) -> int:
-    return sum(a.nbytes for a in snap[:2] if a is not None)

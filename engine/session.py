@@ -55,7 +55,6 @@ class Session:
         self.pending: list[dict] = []  # the current exchange while tool calls are open
         self.seq = CachedSequence(engine)
         self.segments = SegmentCache()  # token ids of rendered segments, reused across turns
-        self.last_turn: Turn | None = None
         self._warmed = (0, 0)  # positions the last warm() computed, for the next turn's stats
         self._warming: tuple[threading.Thread, threading.Event] | None = None
 
@@ -264,7 +263,6 @@ class Session:
             self._record(current, turn)
             if tools is not None:
                 self.tools = tools  # the session's tools from now on
-            self.last_turn = turn
         yield turn
 
     def _make_turn(self, prompt, raw: str, p: Progress, t0: float) -> Turn:
