@@ -158,8 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "models" and args.action in ("info", "build") and not args.name:
         print(f"chatml models {args.action}: a model name is required", file=sys.stderr)
         return 2
+    from .loader import CheckpointError
+    from .registry import RegistryError
+
     try:
         return args.func(args)
+    except (CheckpointError, RegistryError) as e:  # a bad model name or folder: say so, no trace
+        print(f"chatml {args.command}: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -49,3 +49,10 @@ def test_doctor_reports_backend_and_blas(capsys):
     assert report["backend"] in ("cpu", "gpu")
     assert report["matmul_gflops_f32"] > 0
     assert report["blas"]
+
+
+def test_a_bad_model_is_a_message_not_a_traceback(capsys):
+    assert main(["chat", "--model", "/nonexistent", "-p", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "chatml chat: /nonexistent: no such checkpoint folder" in err
+    assert "Traceback" not in err
