@@ -165,7 +165,7 @@ class ModelWorker:
             return  # nothing to prepare (e.g. the answer itself is not renderable)
         b = prompt.boundaries
         prefix = prompt.ids[: b.message_starts[-1]]
-        stops = {b.system_end, *b.message_starts[:-1], *b.assistant_starts}
+        stops = b.points()  # those past the prefix are ignored
         start, end = seq.extend(
             prefix, stops=stops,
             cancelled=lambda: not self.jobs.empty() or self.stopping.is_set(),
@@ -175,7 +175,7 @@ class ModelWorker:
     def _run(self, job: Job) -> tuple[Result, PooledSequence]:
         prompt, request = job.prompt, job.request
         b = prompt.boundaries
-        stops = {b.system_end, *b.message_starts, *b.assistant_starts, b.generation_start or 0}
+        stops = b.points()
         seq = self.pool.acquire(prompt.ids, b.generation_start)
         progress = Progress()
         thinking = prompt.text.endswith("<think>\n")  # the generation prompt opened a think block

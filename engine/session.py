@@ -142,7 +142,7 @@ class Session:
         prompt = self.render([{"role": "user", "content": _TYPICAL_MESSAGE}], self.max_tokens)
         b = prompt.boundaries
         prefix = prompt.ids[: b.message_starts[-1]]  # up to the new user message
-        stops = {b.system_end, *b.message_starts[:-1], *b.assistant_starts}
+        stops = b.points()  # those past the prefix are ignored
 
         def stop() -> bool:
             return self.engine.background_should_yield() or bool(cancelled and cancelled())
@@ -233,7 +233,7 @@ class Session:
         self, prompt, current, sampler, max_tokens, validate, ignore_eos, tools, t0
     ) -> Iterator:
         b = prompt.boundaries
-        stops = {b.system_end, *b.message_starts, *b.assistant_starts, b.generation_start or 0}
+        stops = b.points()
         progress = Progress()
         detok, pieces = StreamDecoder(self.engine.tokenizer), []
         # Held across the yields: one computation on the model at a time; warm-up yields to us.

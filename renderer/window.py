@@ -31,6 +31,13 @@ class Boundaries:
     # right after the generation prompt's "<|im_start|>assistant\n" (before its think prefix)
     generation_start: int | None
 
+    def points(self) -> set[int]:
+        """Every boundary position (0 excluded): where the engine takes snapshots."""
+        out = {self.system_end, *self.message_starts, *self.assistant_starts}
+        if self.generation_start is not None:
+            out.add(self.generation_start)
+        return out - {0}
+
 
 @dataclass
 class Prompt:
