@@ -9,10 +9,13 @@ One run plays the same conversation (bench/conversation.py) through:
 - ``chatml_warm``: the same, calling ``Session.warm()`` after each answer (idle-time prefill
   of the next prompt's known prefix), when the engine has it;
 - ``mlx_lm_stock``: ``mlx_lm.stream_generate`` on the full prompt ids with a fresh cache each
-  turn (a stateless client of a stateless server);
+  turn (a stateless client of a stateless server), mlx-lm exactly as installed: its own
+  interpreter, engine never imported (on Linux: the mlx-cpu wheel's reference BLAS);
+- ``mlx_lm_stock_fast_blas``: the same stateless turns in this process, on this engine's fast
+  BLAS: the part of the gain that is the cache and the engine, not the BLAS;
 - ``mlx_lm_prompt_cache``: mlx-lm's ``LRUPromptCache`` driven the way ``mlx_lm.server`` does,
   with its checkpoints at the end of the system prompt, at the prompt end before the think
-  tail, and at the end of generation.
+  tail, and at the end of generation; in this process, on the fast BLAS.
 
 Every engine sees the same prompt ids per turn: this engine renders each prompt (its history
 is what it generated) and mlx-lm is fed ``Turn.prompt_ids``. Decoding is greedy with the
@@ -24,24 +27,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from bench import mlx_lm_series
 from bench.common import conditions, load_mlx_lm, model_path, special_ids, write_json
 from bench.conversation import SYSTEM, user_turns
 
-ENGINES = ("chatml", "chatml_warm", "mlx_lm_stock", "mlx_lm_prompt_cache")
+ENGINES = (
+    "chatml", "chatml_warm", "mlx_lm_stock", "mlx_lm_stock_fast_blas", "mlx_lm_prompt_cache"
+)  # fmt: skip
 LABELS = {
     "chatml": "chatml",
     "chatml_warm": "chatml (warm)",
     "mlx_lm_stock": "mlx-lm stock",
+    "mlx_lm_stock_fast_blas": "stock + fast BLAS",
     "mlx_lm_prompt_cache": "mlx-lm prompt cache",
 }
-PREFILL_STEP = 2048  # mlx-lm's default prefill_step_size (generate_step and the server)
+BASELINES = ("mlx_lm_stock", "mlx_lm_stock_fast_blas", "mlx_lm_prompt_cache")
 
 
 # ----- fixed-length greedy decoding ----------------------------------------------------------
@@ -72,124 +78,6 @@ def masked_sampling(banned: list[int]) -> Iterator[None]:
         yield
     finally:
         session_module.Sampler = original
-
-
-def mlx_lm_mask(banned: list[int]):
-    """An mlx-lm logits processor with the same mask."""
-    import mlx.core as mx
-
-    idx = mx.array(banned)
-
-    def processor(tokens, logits):
-        logits[:, idx] = -mx.inf
-        return logits
-
-    return processor
-
-
-# ----- the mlx-lm series ---------------------------------------------------------------------
-
-
-def _stream(model, tokenizer, prompt: list[int], cache, max_tokens: int, processor, t0: float):
-    """Run mlx-lm's stream_generate; returns (ttft_s, decode_tps, generated ids)."""
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
-    first = last = None
-    tokens: list[int] = []
-    for r in stream_generate(
-        model, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(0.0),
-        logits_processors=[processor], prompt_cache=cache, prefill_step_size=PREFILL_STEP,
-    ):  # fmt: skip
-        last = time.perf_counter()
-        if first is None:
-            first = last
-        tokens.append(r.token)
-    n = len(tokens)
-    tps = (n - 1) / (last - first) if n > 1 and last > first else 0.0
-    return first - t0, tps, tokens
-
-
-def mlx_lm_stock_turn(model, tokenizer, ids: list[int], max_tokens: int, processor) -> dict:
-    from mlx_lm.models.cache import make_prompt_cache
-
-    t0 = time.perf_counter()
-    cache = make_prompt_cache(model)
-    ttft, tps, tokens = _stream(model, tokenizer, ids, cache, max_tokens, processor, t0)
-    return {
-        "reused_tokens": 0,
-        "prefilled_tokens": len(ids),
-        "ttft_s": ttft,
-        "decode_tps": tps,
-        "generated_tokens": len(tokens),
-        "cache_bytes": sum(c.nbytes for c in cache),
-    }
-
-
-class MlxLmPromptCache:
-    """mlx-lm's server-side prompt cache, as `mlx_lm.server` uses it for chat requests.
-
-    The server splits a chat prompt into segments (system prompt; the rest up to the think
-    tail; the tail) and stores a cache copy in its `LRUPromptCache` at the end of each
-    non-final segment and at the end of generation; each request starts from the nearest
-    stored cache (Qwen3.5's recurrent layers cannot be trimmed, so only a stored prefix of
-    the prompt can be reused). This drives the same calls without the HTTP layer; copies are
-    `copy.deepcopy` as in `fetch_nearest_cache`.
-    """
-
-    KEY = "bench"
-
-    def __init__(self, model, tokenizer, max_size: int = 10):
-        from mlx_lm.models.cache import LRUPromptCache
-
-        self.model, self.tokenizer = model, tokenizer
-        self.lru = LRUPromptCache(max_size)
-
-    def checkpoints(self, ids: list[int], system_end: int) -> list[tuple[int, str]]:
-        """The server's segment ends before the last segment: (position, cache type)."""
-        out = []
-        if 0 < system_end < len(ids):
-            out.append((system_end, "system"))
-        tail = len(ids)
-        if self.tokenizer.has_thinking:  # server._tokenize: a think tail of up to 11 tokens
-            start = self.tokenizer.rfind_think_start(ids, start=len(ids) - 11)
-            if start >= 0:
-                tail = start
-        if system_end < tail < len(ids):
-            out.append((tail, "user"))
-        return out
-
-    def turn(self, ids: list[int], system_end: int, max_tokens: int, processor) -> dict:
-        import mlx.core as mx
-        from mlx_lm.models.cache import make_prompt_cache
-
-        t0 = time.perf_counter()
-        cache, rest = self.lru.fetch_nearest_cache(self.KEY, ids)
-        reused = len(ids) - len(rest)
-        if cache is None:
-            cache = make_prompt_cache(self.model)
-        pos = reused
-        for end, kind in self.checkpoints(ids, system_end):
-            if end <= pos:
-                continue
-            for a in range(pos, end, PREFILL_STEP):
-                self.model(mx.array(ids[a : min(end, a + PREFILL_STEP)])[None], cache=cache)
-                mx.eval([c.state for c in cache])
-            self.lru.insert_cache(self.KEY, ids[:end], copy.deepcopy(cache), cache_type=kind)
-            pos = end
-        ttft, tps, tokens = _stream(
-            self.model, self.tokenizer, ids[pos:], cache, max_tokens, processor, t0
-        )
-        # generate_step feeds every token it yields, so the cache holds prompt + answer.
-        self.lru.insert_cache(self.KEY, ids + tokens, cache, cache_type="assistant")
-        return {
-            "reused_tokens": reused,
-            "prefilled_tokens": len(ids) - reused,
-            "ttft_s": ttft,
-            "decode_tps": tps,
-            "generated_tokens": len(tokens),
-            "cache_bytes": self.lru.nbytes,
-        }
 
 
 # ----- the run -------------------------------------------------------------------------------
@@ -238,11 +126,13 @@ def run(
     path = model_path(model, models_dir)
     eng = chatml.load(path)
     banned = special_ids(eng.entry.arch.vocab_size)
-    want_mlx = any(e.startswith("mlx_lm") for e in engines)
     lm_model = lm_tok = None
-    if want_mlx:
+    if {"mlx_lm_stock_fast_blas", "mlx_lm_prompt_cache"} & set(engines):
         lm_model, lm_tok = load_mlx_lm(path)
-    processor = mlx_lm_mask(banned)
+    processor = mlx_lm_series.mask(banned)
+    installed = None
+    if "mlx_lm_stock" in engines:
+        installed = mlx_lm_series.InstalledStock(path, banned)
 
     session = eng.session(SYSTEM, max_exchanges=6, enable_thinking=thinking)
     warm_session = None
@@ -252,7 +142,9 @@ def run(
             warm_session = eng.session(SYSTEM, max_exchanges=6, enable_thinking=thinking)
         else:
             notes.append("Session.warm() does not exist in this engine: no chatml_warm series")
-    pcache = MlxLmPromptCache(lm_model, lm_tok) if "mlx_lm_prompt_cache" in engines else None
+    pcache = None
+    if "mlx_lm_prompt_cache" in engines:
+        pcache = mlx_lm_series.PromptCache(lm_model, lm_tok)
 
     _warm_up(eng, lm_model, lm_tok, processor)
     results: dict[str, list[dict]] = {e: [] for e in engines if e != "chatml_warm"}
@@ -263,7 +155,9 @@ def run(
     messages = user_turns(turns)
     bar = _bar(len(messages), progress)
     t_run = time.perf_counter()
-    with masked_sampling(banned):
+    with masked_sampling(banned), contextlib.ExitStack() as stack:
+        if installed is not None:
+            stack.callback(installed.close)
         for i, text in enumerate(messages, 1):
             current = [{"role": "user", "content": text}]
             prompt = session.render(current, max_tokens)  # the prompt send() is about to build
@@ -287,9 +181,11 @@ def run(
             )
             if warm_session is not None:
                 results["chatml_warm"].append(_warm_turn(warm_session, text, max_tokens, ids, info))
-            if lm_model is not None and "mlx_lm_stock" in results:
-                row = mlx_lm_stock_turn(lm_model, lm_tok, ids, max_tokens, processor)
-                results["mlx_lm_stock"].append({**info, **row})
+            if installed is not None:
+                results["mlx_lm_stock"].append({**info, **installed.turn(ids, max_tokens)})
+            if "mlx_lm_stock_fast_blas" in results:
+                row = mlx_lm_series.stock_turn(lm_model, lm_tok, ids, max_tokens, processor)
+                results["mlx_lm_stock_fast_blas"].append({**info, **row})
             if pcache is not None:
                 row = pcache.turn(ids, prompt.boundaries.system_end, max_tokens, processor)
                 results["mlx_lm_prompt_cache"].append({**info, **row})
@@ -307,14 +203,19 @@ def run(
         model=model,
         checkpoint=str(path),
         dtype_chatml=str(eng.dtype),
-        dtype_mlx_lm="float32" if lm_model is not None else None,
+        dtype_mlx_lm="float32" if lm_model is not None or installed is not None else None,
         turns=turns,
         thinking=thinking,
         max_tokens=max_tokens,
         max_exchanges=6,
         decoding="greedy, special tokens masked: every engine decodes exactly max_tokens",
-        prefill_step_mlx_lm=PREFILL_STEP,
-        mlx_lm_blas="same process as the engine: mlx-lm uses the engine's BLAS too",
+        prefill_step_mlx_lm=mlx_lm_series.PREFILL_STEP,
+        mlx_lm_blas={
+            "mlx_lm_stock": "own interpreter, CHATML_BLAS=0, engine never imported: mlx's own",
+            "mlx_lm_stock_fast_blas": "this process: the engine's fast BLAS",
+            "mlx_lm_prompt_cache": "this process: the engine's fast BLAS",
+        },
+        mlx_lm_stock_worker=installed.hello if installed else None,
         wall_s=round(time.perf_counter() - t_run, 1),
         notes=notes,
     )
@@ -333,7 +234,7 @@ def _warm_up(eng, lm_model, lm_tok, processor) -> None:
                     stop_ids=(), history=list(ids)):  # fmt: skip
         pass
     if lm_model is not None:
-        mlx_lm_stock_turn(lm_model, lm_tok, ids, 2, processor)
+        mlx_lm_series.stock_turn(lm_model, lm_tok, ids, 2, processor)
 
 
 def _warm_turn(session, text: str, max_tokens: int, ids: list[int], info: dict) -> dict:
@@ -377,24 +278,26 @@ def summary(result: dict) -> dict:
         rows = [r for r in e.get(name, []) if r["turn"] >= 3]
         if not rows:
             continue
-        for base in ("mlx_lm_stock", "mlx_lm_prompt_cache"):
+        for base in BASELINES:
             brow = {r["turn"]: r for r in e.get(base, [])}
-            ratios = [brow[r["turn"]]["ttft_s"] / r["ttft_s"] for r in rows if r["turn"] in brow]
-            if ratios:
+            pairs = [(r["turn"], brow[r["turn"]]["ttft_s"] / r["ttft_s"]) for r in rows
+                     if r["turn"] in brow]  # fmt: skip
+            if pairs:
+                ratios = [q for _, q in pairs]
                 out[f"{name}_vs_{base}_ttft_ratio_min"] = min(ratios)
                 out[f"{name}_vs_{base}_ttft_ratio_median"] = sorted(ratios)[len(ratios) // 2]
-                out[f"{name}_slower_than_{base}_turns"] = [
-                    r["turn"] for r, q in zip(rows, ratios, strict=False) if q < 1.0
-                ]
+                out[f"{name}_under_5x_vs_{base}_turns"] = [t for t, q in pairs if q < 5.0]
+                out[f"{name}_slower_than_{base}_turns"] = [t for t, q in pairs if q < 1.0]
     for name in e:
         tps = [r["decode_tps"] for r in e[name] if r["decode_tps"] > 0]
         ttft = [r["ttft_s"] for r in e[name] if r["turn"] >= 3]
         out[f"{name}_decode_tps_median"] = sorted(tps)[len(tps) // 2] if tps else 0.0
         out[f"{name}_ttft_s_sum_from_turn3"] = sum(ttft)
-    if "mlx_lm_stock" in e and out.get("mlx_lm_stock_decode_tps_median"):
-        out["chatml_decode_vs_mlx_lm_stock"] = (
-            out["chatml_decode_tps_median"] / out["mlx_lm_stock_decode_tps_median"]
-        )
+    for base in BASELINES:
+        if out.get(f"{base}_decode_tps_median") and "chatml" in e:
+            out[f"chatml_decode_vs_{base}"] = (
+                out["chatml_decode_tps_median"] / out[f"{base}_decode_tps_median"]
+            )
     return out
 
 

@@ -29,7 +29,7 @@ def result(tmp_path_factory):
 
 def test_structure(result):
     engines = result["engines"]
-    for name in ("chatml", "mlx_lm_stock", "mlx_lm_prompt_cache"):
+    for name in ("chatml", "mlx_lm_stock", "mlx_lm_stock_fast_blas", "mlx_lm_prompt_cache"):
         rows = engines[name]
         assert [r["turn"] for r in rows] == [1, 2, 3]
         for r in rows:
@@ -41,6 +41,15 @@ def test_structure(result):
     # every engine saw the same prompt per turn
     prompts = {n: [r["prompt_tokens"] for r in rows] for n, rows in engines.items()}
     assert len({tuple(p) for p in prompts.values()}) == 1
+
+
+def test_stock_is_mlx_lm_as_installed(result):
+    """The stock series ran in an interpreter without the engine and its fast BLAS."""
+    worker = result["conditions"]["mlx_lm_stock_worker"]
+    assert worker["engine_imported"] is False
+    if worker["blas_libraries"] is None:
+        pytest.skip("no /proc/self/maps on this OS: cannot list the mapped BLAS libraries")
+    assert not [p for p in worker["blas_libraries"] if "scipy_openblas32" in p]
 
 
 def test_chatml_prefills_the_minimum(result):
