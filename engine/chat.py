@@ -404,7 +404,8 @@ def run_chat(args) -> int:
 
 
 def run_sessions(args) -> int:
-    from .store import STATE, SessionBusy, SessionIdError, SessionStore, StateError, _header
+    from .state_file import StateError, read_header
+    from .store import STATE, SessionBusy, SessionIdError, SessionStore
 
     store = SessionStore(warn=lambda m: _err(f"warning: {m}"))
     if args.action != "list" and not args.id:
@@ -432,7 +433,7 @@ def run_sessions(args) -> int:
         log = store.read(args.id)
         path = store.path(args.id) / STATE
         try:
-            key = _header(path.read_bytes()).get("key") if path.exists() else None
+            key = read_header(path.read_bytes()).get("key") if path.exists() else None
             state = ("none" if not path.exists()
                      else "matches the last turn" if key and key == log.state_key
                      else "stale (not used)")  # fmt: skip

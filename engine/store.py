@@ -23,32 +23,18 @@ import json
 import os
 import re
 import shutil
-import struct
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
-
-from .cache import KVCache, RecurrentCache
 from .paths import atomic_write, chatml_home
-from .snapshot import Snapshot
+from .state_file import FORMAT, VERSION, StateError, decode_state, encode_state, state_key
 
-FORMAT = "chatml-session"
-VERSION = 1
 LOG, STATE, LOCK = "log.jsonl", "state.safetensors", "lock"
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _OPTIONS = ("model", "system", "max_exchanges", "enable_thinking")
-# Snapshots written to disk: the first (after the system prompt: survives window trimming) and
-# the last few (the last turn's message and answer starts: the next turn, /regenerate). Every
-# one of them costs the full recurrent state, so saving all would grow the file every turn.
-SNAPSHOTS_KEPT = 4
-# numpy has no bfloat16: such arrays travel as their raw 16-bit patterns
-_VIEWS = {mx.bfloat16: mx.uint16}
-_DTYPE_NAMES = {"bfloat16": mx.bfloat16}
 
 
 class StoreWarning(UserWarning):
@@ -63,10 +49,6 @@ class SessionBusy(RuntimeError):
     """The session is open in another process."""
 
 
-class StateError(Exception):
-    """Why a state file cannot be used (it is then ignored, never trusted)."""
-
-
 def check_id(session_id: str) -> str:
     """Return `session_id` if it is a plain name: letters, digits, '.', '_', '-' (max 64)."""
     if not isinstance(session_id, str) or not _ID.fullmatch(session_id):
@@ -75,11 +57,6 @@ def check_id(session_id: str) -> str:
             "starting with a letter or digit (no path separators, no '..')"
         )
     return session_id
-
-
-def state_key(tokens) -> str:
-    """Names a token sequence: ties a state file to the log record it belongs to."""
-    return hashlib.sha256(np.asarray(tokens, dtype="<i8").tobytes()).hexdigest()[:32]
 
 
 # ----- the log ------------------------------------------------------------------------------
@@ -178,151 +155,6 @@ def _apply(log: SessionLog, rec: dict) -> None:
         log.state_key = rec.get("state_key")
         if not rec.get("pending"):  # an exchange waiting for tool results is not history yet
             log.history = log.history[: rec["index"]] + [rec["messages"]]
-
-
-# ----- the cache state ----------------------------------------------------------------------
-
-
-def _to_numpy(a: mx.array) -> tuple[np.ndarray, str | None]:
-    view = _VIEWS.get(a.dtype)
-    if view is None:
-        return np.array(a), None
-    return np.array(a.view(view)), str(a.dtype).rsplit(".", 1)[-1]
-
-
-def _to_mlx(a: np.ndarray, dtype: str | None) -> mx.array:
-    arr = mx.array(a)
-    return arr.view(_DTYPE_NAMES[dtype]) if dtype else arr
-
-
-def _digest(tensors: dict[str, np.ndarray]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = np.ascontiguousarray(tensors[name])
-        h.update(f"{name}|{t.dtype.str}|{t.shape}|".encode())
-        h.update(t.tobytes())
-    return h.hexdigest()
-
-
-def encode_state(seq, engine) -> bytes:
-    """Serialize a CachedSequence (tokens, live caches, snapshots) as safetensors bytes."""
-    from safetensors.numpy import save
-
-    tensors: dict[str, np.ndarray] = {"tokens": np.asarray(seq.tokens, dtype=np.int32)}
-    views: dict[str, str] = {}
-
-    def put(name: str, a: mx.array | None) -> None:
-        if a is not None:
-            tensors[name], view = _to_numpy(a)
-            if view:
-                views[name] = view
-
-    kinds, offsets = [], []
-    for i, c in enumerate(seq.caches):
-        if isinstance(c, KVCache):
-            kinds.append("kv")
-            offsets.append(c.offset)
-            if c.state is not None:
-                put(f"kv.{i}.keys", c.state[0])
-                put(f"kv.{i}.values", c.state[1])
-        else:
-            kinds.append("rec")
-            offsets.append(c.offset)
-            put(f"rec.{i}.conv", c.conv)
-            put(f"rec.{i}.state", c.state)
-    positions = sorted(p for p in seq.snapshots if 0 < p <= len(seq.tokens))
-    positions = sorted(set(positions[:1] + positions[-SNAPSHOTS_KEPT:]))
-    for p in positions:
-        for i, layer in enumerate(seq.snapshots[p].layers):
-            if layer is not None:
-                put(f"snap.{p}.{i}.conv", layer[0])
-                put(f"snap.{p}.{i}.state", layer[1])
-    meta = {
-        "format": FORMAT,
-        "version": str(VERSION),
-        "fingerprint": engine.fingerprint,
-        "dtype": str(engine.dtype),
-        "key": state_key(seq.tokens),
-        "kinds": json.dumps(kinds),
-        "offsets": json.dumps(offsets),
-        "snapshots": json.dumps(positions),
-        "views": json.dumps(views),
-        "sha256": _digest(tensors),
-    }
-    return save(tensors, metadata=meta)
-
-
-def _header(data: bytes) -> dict:
-    if len(data) < 8:
-        raise StateError("file too short")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > len(data) - 8:
-        raise StateError("header runs past the end of the file")
-    try:
-        return json.loads(data[8 : 8 + n]).get("__metadata__") or {}
-    except (ValueError, AttributeError) as e:
-        raise StateError(f"unreadable header ({e})") from e
-
-
-def decode_state(data: bytes, engine, expected_key: str | None):
-    """(tokens, caches, snapshots) from `encode_state` bytes; raises StateError if unusable."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load
-
-    meta = _header(data)
-    if meta.get("format") != FORMAT or meta.get("version") != str(VERSION):
-        raise StateError("not a chatml-engine state file of this version")
-    if meta.get("fingerprint") != engine.fingerprint or meta.get("dtype") != str(engine.dtype):
-        raise StateError("made by other weights or another dtype")
-    if expected_key is None or meta.get("key") != expected_key:
-        raise StateError("stale: it does not belong to the last turn in the log")
-    try:
-        tensors = load(data)
-        kinds, offsets = json.loads(meta["kinds"]), json.loads(meta["offsets"])
-        positions, views = json.loads(meta["snapshots"]), json.loads(meta["views"])
-    except (SafetensorError, ValueError, KeyError) as e:
-        raise StateError(f"unreadable ({e})") from e
-    if _digest(tensors) != meta.get("sha256"):
-        raise StateError("checksum mismatch")
-    tokens = [int(t) for t in tensors["tokens"]]
-    n = len(tokens)
-    if state_key(tokens) != expected_key:
-        raise StateError("token ids do not match their key")
-    caches = engine.model.make_caches()
-    expect = ["kv" if isinstance(c, KVCache) else "rec" for c in caches]
-    if kinds != expect or len(offsets) != len(caches) or any(o != n for o in offsets):
-        raise StateError("layers or positions do not match this model and these tokens")
-
-    def get(name: str) -> mx.array | None:
-        return _to_mlx(tensors[name], views.get(name)) if name in tensors else None
-
-    for i, c in enumerate(caches):
-        if isinstance(c, KVCache):
-            k, v = get(f"kv.{i}.keys"), get(f"kv.{i}.values")
-            if k is None or v is None or k.shape[2] != n or v.shape[2] != n:
-                raise StateError(f"layer {i}: KV cache does not hold {n} positions")
-            c.load_state(k, v)
-        else:
-            conv, st = get(f"rec.{i}.conv"), get(f"rec.{i}.state")
-            if st is None:
-                raise StateError(f"layer {i}: recurrent state missing")
-            c.load_state(conv, st, n)
-    snapshots = {}
-    for p in positions:
-        if not isinstance(p, int) or not 0 < p <= n:
-            raise StateError(f"snapshot at {p!r} outside the {n} tokens")
-        layers, nbytes = [], 0
-        for i, c in enumerate(caches):
-            if isinstance(c, RecurrentCache):
-                conv, st = get(f"snap.{p}.{i}.conv"), get(f"snap.{p}.{i}.state")
-                if st is None:
-                    raise StateError(f"snapshot {p}, layer {i}: recurrent state missing")
-                layers.append((conv, st, p))
-                nbytes += sum(a.nbytes for a in (conv, st) if a is not None)
-            else:
-                layers.append(None)
-        snapshots[p] = Snapshot(p, layers, nbytes)
-    return tokens, caches, snapshots
 
 
 # ----- the store ----------------------------------------------------------------------------

@@ -14,17 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.store import (
-    LOG,
-    SNAPSHOTS_KEPT,
-    STATE,
-    SessionBusy,
-    SessionIdError,
-    SessionStore,
-    _header,
-    check_id,
-    read_log,
-)
+from engine.state_file import SNAPSHOTS_KEPT, read_header
+from engine.store import LOG, STATE, SessionBusy, SessionIdError, SessionStore, check_id, read_log
 
 QUESTIONS = ["Hi! My order number is 48213.", "What is my order number?", "你好", "Thanks!"]
 SYSTEM = "You are a helpful assistant."
@@ -76,7 +67,7 @@ def test_resume_reuses_the_whole_history_and_answers_exactly(tiny, store, saved)
         assert s.state_loaded and s.resumed_turns == 3 and s.session.system == SYSTEM
         turn = s.session.send(QUESTIONS[3], max_tokens=MAX)
     ref = saved.turn4
-    kept = json.loads(_header((saved.dir / STATE).read_bytes())["snapshots"])
+    kept = json.loads(read_header((saved.dir / STATE).read_bytes())["snapshots"])
     assert len(kept) <= 1 + SNAPSHOTS_KEPT  # the file does not grow with every turn
     assert turn.token_ids == ref.token_ids and turn.text == ref.text
     assert turn.prompt_ids == ref.prompt_ids
@@ -298,7 +289,7 @@ def test_a_failed_state_save_leaves_the_previous_state(tiny, store, saved, monke
 def test_bfloat16_arrays_round_trip_bit_exactly():
     import mlx.core as mx
 
-    from engine.store import _to_mlx, _to_numpy
+    from engine.state_file import _to_mlx, _to_numpy
 
     a = mx.random.normal((2, 3, 5)).astype(mx.bfloat16)
     arr, view = _to_numpy(a)
