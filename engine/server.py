@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import hmac
 import json
 import logging
-import queue
 import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio
 import uvicorn
@@ -33,13 +31,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from renderer import Prompt
-
-from .completion import ApiError, ChatRequest, OutputText, Renderer, output_budget, parse_request
-from .pool import DEFAULT_SEQUENCES, PooledSequence, SequencePool
-from .sampling import Sampler
-from .sequence import Progress
-from .tokenizer import StreamDecoder
+from .completion import ApiError, Renderer, output_budget, parse_request
+from .pool import DEFAULT_SEQUENCES
+from .worker import Job, ModelWorker, Result
 
 log = logging.getLogger("chatml.server")
 
@@ -60,159 +54,6 @@ class ServerConfig:
     max_queued: int = MAX_QUEUED
     context_window: int | None = None  # default: the model's
     warm: bool = True  # prefill each answered conversation's next prompt while idle
-
-
-# ----- the model-owner thread ---------------------------------------------------------------
-
-
-@dataclass
-class Job:
-    """One completion for the worker; `emit` hands events to the request's event loop."""
-
-    prompt: Prompt
-    request: ChatRequest
-    max_tokens: int
-    emit: Callable[[tuple], None]
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-
-@dataclass
-class Result:
-    message: object  # completion.Message
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-class ModelWorker:
-    """The one thread that runs the model: jobs from a queue, in order, under `engine.lock`.
-
-    Events sent through `job.emit`: ("first",) once the first token exists (the prompt is
-    in), ("delta", reasoning, content) for visible text, then ("done", Result) or
-    ("error", ApiError).
-    """
-
-    def __init__(self, engine, sequences: int = DEFAULT_SEQUENCES, renderer=None, warm=True):
-        self.engine = engine
-        self.pool = SequencePool(engine, sequences)
-        self.renderer = renderer or Renderer(engine)
-        self.warm = warm  # idle-time prefill of each answered conversation's next prompt
-        self.warmed_tokens = 0
-        self.idle = threading.Event()  # set while waiting for a job (after any warm-up)
-        self.jobs: queue.Queue[Job | None] = queue.Queue()
-        self.stopping = threading.Event()
-        self.completed = 0
-        self._thread = threading.Thread(target=self._loop, name="chatml-model", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self.stopping.set()  # the running job ends at its next token
-        self.jobs.put(None)
-        self._thread.join(timeout)
-
-    def submit(self, job: Job) -> None:
-        self.jobs.put(job)
-
-    def _next(self) -> Job | None:
-        self.idle.set()
-        job = self.jobs.get()
-        self.idle.clear()
-        return job
-
-    def _loop(self) -> None:
-        while (job := self._next()) is not None:
-            if job.cancelled.is_set() or self.stopping.is_set():
-                job.emit(("error", ApiError(499, "the request was cancelled", code="cancelled")))
-                continue
-            try:
-                with self.engine.lock:
-                    result, seq = self._run(job)
-                    # The active sequence was exempt while it ran; now the budget holds for all.
-                    self.engine.budget.enforce()
-                job.emit(("done", result))
-            except Exception as e:  # keep serving; the sequence has rolled back
-                log.exception("generation failed")
-                job.emit(("error", ApiError(500, f"generation failed: {e}", type="server_error")))
-            else:
-                if self.warm and result.finish_reason in ("stop", "tool_calls", "length"):
-                    self._warm(job, result, seq)
-            self.completed += 1
-
-    def _warm(self, job: Job, result: Result, seq) -> None:
-        """While no request waits, prefill what this conversation's next request starts with.
-
-        A client resends the conversation plus this answer and one new message; everything up
-        to that message is known now (the answer as the template re-renders it). A new job
-        interrupts the work at the next chunk; the next request reuses only what matches.
-        """
-        m = result.message
-        answer: dict = {"role": "assistant", "content": m.content or ""}
-        if m.tool_calls:
-            answer["tool_calls"] = m.openai_tool_calls()
-            nxt = {"role": "tool", "content": "x"}  # the results continue this exchange
-        else:
-            nxt = {"role": "user", "content": "x"}
-        request = dataclasses.replace(job.request, messages=[*job.request.messages, answer, nxt])
-        try:
-            prompt = self.renderer.render(request)
-        except ApiError:
-            return  # nothing to prepare (e.g. the answer itself is not renderable)
-        b = prompt.boundaries
-        prefix = prompt.ids[: b.message_starts[-1]]
-        stops = b.points()  # those past the prefix are ignored
-        start, end = seq.extend(
-            prefix, stops=stops,
-            cancelled=lambda: not self.jobs.empty() or self.stopping.is_set(),
-        )  # fmt: skip
-        self.warmed_tokens += end - start
-
-    def _run(self, job: Job) -> tuple[Result, PooledSequence]:
-        prompt, request = job.prompt, job.request
-        b = prompt.boundaries
-        stops = b.points()
-        seq = self.pool.acquire(prompt.ids, b.generation_start)
-        progress = Progress()
-        thinking = prompt.text.endswith("<think>\n")  # the generation prompt opened a think block
-        out, detok = OutputText(thinking, request.stop), StreamDecoder(self.engine.tokenizer)
-        tokens = seq.generate(
-            prompt.ids, stops=stops, sampler=Sampler(request.params), max_tokens=job.max_tokens,
-            progress=progress,
-        )  # fmt: skip
-        try:
-            for token in tokens:
-                if len(progress.tokens) == 1:
-                    job.emit(("first",))
-                piece = detok.add(token)
-                if piece:
-                    self._send(job, out.add(piece))
-                if out.stopped or job.cancelled.is_set() or self.stopping.is_set():
-                    tokens.close()  # an early finish keeps the prompt's cache (see generate)
-                    break
-            else:
-                self._send(job, out.add(detok.flush()))
-        finally:
-            tokens.close()  # settle the sequence at the valid state it reached
-        self._send(job, out.flush())
-        message = out.message()
-        finish = progress.finish
-        if out.stopped:
-            finish = "stop"
-        elif message.tool_calls:
-            finish = "tool_calls"
-        elif job.cancelled.is_set():
-            finish = "cancelled"
-        return Result(message, finish, len(prompt.ids), len(progress.tokens), progress.reused), seq
-
-    @staticmethod
-    def _send(job: Job, delta: tuple[str, str]) -> None:
-        if delta[0] or delta[1]:
-            job.emit(("delta", *delta))
 
 
 # ----- HTTP ---------------------------------------------------------------------------------
