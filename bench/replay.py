@@ -122,10 +122,16 @@ def run(
 ) -> dict:
     """Play the conversation; returns {"conditions", "turns", "engines": {name: [rows]}}."""
     import engine as chatml
+    from kernels import blas
 
     path = model_path(model, models_dir)
     eng = chatml.load(path)
     banned = special_ids(eng.entry.arch.vocab_size)
+    notes = []
+    if "mlx_lm_stock_fast_blas" in engines and not blas.info().fast:
+        engines = tuple(e for e in engines if e != "mlx_lm_stock_fast_blas")
+        notes.append(f"no fast BLAS here ({blas.info().reason}): mlx_lm_stock_fast_blas "
+                     "would repeat mlx_lm_stock, so it was not run")  # fmt: skip
     lm_model = lm_tok = None
     if {"mlx_lm_stock_fast_blas", "mlx_lm_prompt_cache"} & set(engines):
         lm_model, lm_tok = load_mlx_lm(path)
@@ -136,7 +142,6 @@ def run(
 
     session = eng.session(SYSTEM, max_exchanges=6, enable_thinking=thinking)
     warm_session = None
-    notes = []
     if "chatml_warm" in engines:
         if hasattr(session, "warm"):
             warm_session = eng.session(SYSTEM, max_exchanges=6, enable_thinking=thinking)
