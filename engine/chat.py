@@ -3,7 +3,8 @@
 On a terminal the answer streams as it is generated, input lines are edited and recalled with
 `readline`, and Ctrl+C stops an answer (the question is then not recorded). From a pipe each
 input line is one question, answered by its text and one line of token counts, so the command
-scripts well. Lines starting with `/` are commands in both modes (`/help`).
+scripts well. Lines starting with `/` are commands in both modes (`/help`); a question that
+itself starts with `/` is typed with `//` (one `/` is removed).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ COMMANDS = {
     "/save": "/save [ID]: keep the conversation on disk (and keep saving it)",
     "/exit": "leave (so do Ctrl+D and Ctrl+C at the prompt)",
     "/help": "this list",
+    "//...": "a question starting with '/': //etc/hosts sends /etc/hosts",
 }
 
 
@@ -225,7 +227,8 @@ class Chat:
         elif name == "/save":
             self._save(arg or None)
         else:
-            _err(f"unknown command {name} (/help lists them)")
+            _err(f"unknown command {name} (/help lists them; //... sends a question that "
+                 "starts with '/')")  # fmt: skip
         return True
 
     def _history(self) -> None:
@@ -289,7 +292,9 @@ class Chat:
 
     def run(self, lines: Iterator[str]) -> None:
         for line in lines:
-            if line.startswith("/"):
+            if line.startswith("//"):
+                self.ask(line[1:])
+            elif line.startswith("/"):
                 if not self.command(line):
                     return
             elif line.strip():

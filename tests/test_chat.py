@@ -59,6 +59,16 @@ def test_pipe_mode_answers_each_line_with_stats_and_logs_the_session():
     assert [t["index"] for t in log] == [0, 1, 2]
 
 
+def test_double_slash_sends_a_question_that_starts_with_a_slash():
+    sid = new_id("slash")
+    r = chatml("chat", "--max-tokens", "2", "--session", sid,
+               stdin="/nonsense\n//etc/hosts is what?\n")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "unknown command /nonsense" in r.stderr
+    assert len(STATS.findall(r.stdout)) == 1  # only the escaped line was a question
+    assert [t["messages"][0]["content"] for t in turns(sid)] == ["/etc/hosts is what?"]
+
+
 def test_no_history_sends_independent_prompts():
     sid = new_id("nohist")
     r = chatml("chat", "--no-history", "--max-tokens", "3", "--session", sid,
