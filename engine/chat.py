@@ -189,7 +189,7 @@ class Chat:
                 self.turns.append(turn)
             if self.stored is not None:
                 self.stored.append_turn(turn)
-                self.stored.save_state()
+                self.stored.save_state(background=True)  # the next prompt need not wait
         self.last = turn
         t = self.totals
         t["turns"] += 1

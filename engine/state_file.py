@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -57,14 +58,31 @@ def _digest(tensors: dict[str, np.ndarray]) -> str:
     for name in sorted(tensors):
         t = np.ascontiguousarray(tensors[name])
         h.update(f"{name}|{t.dtype.str}|{t.shape}|".encode())
-        h.update(t.tobytes())
+        h.update(memoryview(t).cast("B"))
     return h.hexdigest()
 
 
-def encode_state(seq, engine) -> bytes:
-    """Serialize a CachedSequence (tokens, live caches, snapshots) as safetensors bytes."""
-    from safetensors.numpy import save
+@dataclass
+class CapturedState:
+    """Caches copied out of MLX into numpy: independent of the live sequence from then on, so
+    checksumming, serializing and writing can run on any thread while the model moves on."""
 
+    tensors: dict[str, np.ndarray]
+    meta: dict[str, str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def encode(self) -> bytes:
+        """The safetensors bytes, with a checksum over every tensor."""
+        from safetensors.numpy import save
+
+        return save(self.tensors, metadata={**self.meta, "sha256": _digest(self.tensors)})
+
+
+def capture_state(seq, engine) -> CapturedState:
+    """Copy a CachedSequence's tokens, live caches and kept snapshots (call with the model held)."""
     tensors: dict[str, np.ndarray] = {"tokens": np.asarray(seq.tokens, dtype=np.int32)}
     views: dict[str, str] = {}
 
@@ -104,9 +122,13 @@ def encode_state(seq, engine) -> bytes:
         "offsets": json.dumps(offsets),
         "snapshots": json.dumps(positions),
         "views": json.dumps(views),
-        "sha256": _digest(tensors),
     }
-    return save(tensors, metadata=meta)
+    return CapturedState(tensors, meta)
+
+
+def encode_state(seq, engine) -> bytes:
+    """Serialize a CachedSequence (tokens, live caches, snapshots) as safetensors bytes."""
+    return capture_state(seq, engine).encode()
 
 
 def read_header(data: bytes) -> dict:

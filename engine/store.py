@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -30,7 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .paths import atomic_write, chatml_home
-from .state_file import FORMAT, VERSION, StateError, decode_state, encode_state, state_key
+from .state_file import (
+    FORMAT,
+    VERSION,
+    CapturedState,
+    StateError,
+    capture_state,
+    decode_state,
+    state_key,
+)
 
 LOG, STATE, LOCK = "log.jsonl", "state.safetensors", "lock"
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -274,6 +283,7 @@ class StoredSession:
         self.state_error: str | None = None
         self._n = 0  # turn records written so far (numbering)
         self._log = None
+        self._saving: threading.Thread | None = None  # a background state write
         self._lock_cm = _locked(self.dir, session_id)
         self._lock = self._lock_cm.__enter__()
 
@@ -396,18 +406,46 @@ class StoredSession:
         """Log that the conversation was forgotten (the system prompt stays)."""
         self._append({"type": "reset"})
 
-    def save_state(self) -> bool:
-        """Write the live caches and snapshots atomically; False if there is nothing to save."""
+    def save_state(self, *, background: bool = False) -> bool:
+        """Write the live caches and snapshots atomically; False if there is nothing to save.
+
+        The caches are copied out at once (the next turn may change them). With `background`
+        the checksum, serialization and write run on a thread, so a chat shows its next prompt
+        without waiting for the disk; a failure there is a warning (the log still holds the
+        turn, and a resume then prefills it). The next save and `close` wait for that write.
+        """
         seq = self.session.seq
         if not seq.tokens or self._log is None:
             return False
         with self.engine.foreground():  # a background warm-up must not move the caches meanwhile
-            data = encode_state(seq, self.engine)
-        atomic_write(self.dir / STATE, data)
-        _fsync_dir(self.dir)
+            captured = capture_state(seq, self.engine)
+        self.wait_saved()
+        if not background:
+            self._write_state(captured)
+            return True
+        self._saving = threading.Thread(
+            target=self._write_state, args=(captured, True), name="chatml-save"
+        )  # not a daemon: the interpreter finishes the write before it exits
+        self._saving.start()
         return True
 
+    def wait_saved(self) -> None:
+        """Wait for a background state write to finish."""
+        if self._saving is not None:
+            self._saving.join()
+            self._saving = None
+
+    def _write_state(self, captured: CapturedState, background: bool = False) -> None:
+        try:
+            atomic_write(self.dir / STATE, captured.encode())
+            _fsync_dir(self.dir)
+        except OSError as e:
+            if not background:
+                raise
+            self.store.warn(f"{self.dir / STATE}: not saved ({e}); resuming will prefill instead")
+
     def close(self) -> None:
+        self.wait_saved()
         if self._log is not None:
             self._log.close()
             self._log = None

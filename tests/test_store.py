@@ -77,6 +77,39 @@ def test_resume_reuses_the_whole_history_and_answers_exactly(tiny, store, saved)
     assert not store.warn
 
 
+def test_background_save_is_on_disk_after_close_and_resumes_exactly(tiny, store, saved):
+    with store.open("bg", tiny, system=SYSTEM) as s:
+        for q in QUESTIONS[:3]:
+            s.append_turn(s.session.send(q, max_tokens=MAX))
+            s.save_state(background=True)  # the next turn starts while the file is written
+    with store.open("bg", tiny) as s:
+        assert s.state_loaded and s.resumed_turns == 3
+        turn = s.session.send(QUESTIONS[3], max_tokens=MAX)
+    assert turn.token_ids == saved.turn4.token_ids
+    assert turn.stats.prefilled_tokens == saved.turn4.stats.prefilled_tokens
+    assert not store.warn
+
+
+def test_a_failed_background_save_warns_and_loses_no_turn(tiny, store, saved, monkeypatch):
+    import engine.store
+
+    def disk_full(path, data):
+        raise OSError(28, "No space left on device")
+
+    with store.open("full", tiny, system=SYSTEM) as s:
+        _turns(s, QUESTIONS[:2])
+        monkeypatch.setattr(engine.store, "atomic_write", disk_full)
+        s.append_turn(s.session.send(QUESTIONS[2], max_tokens=MAX))
+        assert s.save_state(background=True)  # returns at once; the write fails later
+    monkeypatch.undo()
+    assert len(store.warn) == 1 and "No space left" in store.warn[0]
+    # The state on disk is turn 2's: stale, so the history is rebuilt from the log.
+    with store.open("full", tiny) as s:
+        assert s.resumed_turns == 3 and not s.state_loaded
+        turn = s.session.send(QUESTIONS[3], max_tokens=MAX)
+    assert turn.token_ids == saved.turn4.token_ids
+
+
 def test_log_records_everything_a_turn_produced(tiny, store):
     with store.open("rec", tiny, system=SYSTEM) as s:
         (turn,) = _turns(s, QUESTIONS[:1])
