@@ -66,3 +66,15 @@ def test_warm_series_if_available(result):
         pytest.skip("Session.warm() not in this engine")
     assert all(r["same_prompt"] for r in rows)
     assert all(r["met_minimum"] for r in rows)
+
+
+def test_report_renders_every_turn_and_engine(result):
+    from bench.report import report
+
+    text = report(result)
+    for label in ("chatml", "mlx-lm stock", "stock + fast BLAS", "mlx-lm prompt cache"):
+        assert f"| {label} |" in text
+    per_turn = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |", "| 3 |"))]
+    assert len(per_turn) == 3
+    with pytest.raises(ValueError, match="not a replay or throughput"):
+        report({"something": "else"})
