@@ -79,6 +79,11 @@ class CachedSequence:
         self.tokens, self.snapshots = [], {}
         self.caches = self.engine.model.make_caches()
 
+    def keep_snapshots(self, positions: Iterable[int]) -> None:
+        """Drop every snapshot not at `positions` (an owner that knows which it will use)."""
+        keep = set(positions)
+        self.snapshots = {p: s for p, s in self.snapshots.items() if p in keep}
+
     def reusable(self, ids: Sequence[int], *, need_logits: bool = True) -> int:
         """How many leading tokens of `ids` this sequence could restore without compute.
 

@@ -2,11 +2,14 @@
 
 Each turn renders the whole windowed prompt (the template re-renders earlier answers, and the
 window may drop the oldest exchange) and hands the ids to the session's `CachedSequence`, which
-reuses the longest cached prefix and prefills only the rest. Snapshots are taken at the
-renderer's ChatML boundaries: after the system block, at every message start, right after
-`<|im_start|>assistant\n` of every answer, and at the prompt's end. A turn that fails (an
-exception, Ctrl+C, a rejected answer, an abandoned stream) leaves the history as it was and
-the cache at its state before the turn, or at a snapshot of it.
+reuses the longest cached prefix and prefills only the rest. Snapshots are kept where a later
+turn of this conversation can resume: after the system block (a turn that trims the window),
+and at the ChatML boundaries of the latest exchange: its message starts (edit, regenerate),
+right after `<|im_start|>assistant\n` (the next turn: the answer is re-rendered from there)
+and the prompt's end. Older boundaries are never a linear conversation's deepest match again,
+so they are dropped (each costs a whole recurrent state). A turn that fails (an exception,
+Ctrl+C, a rejected answer, an abandoned stream) leaves the history as it was and the cache at
+its state before the turn, or at a snapshot of it.
 """
 
 from __future__ import annotations
@@ -142,7 +145,9 @@ class Session:
         prompt = self.render([{"role": "user", "content": _TYPICAL_MESSAGE}], self.max_tokens)
         b = prompt.boundaries
         prefix = prompt.ids[: b.message_starts[-1]]  # up to the new user message
-        stops = b.points()  # those past the prefix are ignored
+        # The next turn resumes at the prefix's end if its window is the predicted one, else
+        # right after the system block.
+        stops = {b.system_end, len(prefix)}
 
         def stop() -> bool:
             return self.engine.background_should_yield() or bool(cancelled and cancelled())
@@ -232,8 +237,7 @@ class Session:
     def _run(
         self, prompt, current, sampler, max_tokens, validate, ignore_eos, tools, t0
     ) -> Iterator:
-        b = prompt.boundaries
-        stops = b.points()
+        stops = _resume_points(prompt, len(current))
         progress = Progress()
         detok, pieces = StreamDecoder(self.engine.tokenizer), []
         # Held across the yields: one computation on the model at a time; warm-up yields to us.
@@ -261,6 +265,7 @@ class Session:
                     self.seq.rollback(progress.undo)  # a failed turn leaves no trace
                 raise
             self._record(current, turn)
+            self.seq.keep_snapshots(stops | {len(prompt.ids)})
             if tools is not None:
                 self.tools = tools  # the session's tools from now on
         yield turn
@@ -295,6 +300,14 @@ class Session:
         else:
             self.pending = []
             self.history.append(exchange)
+
+
+def _resume_points(prompt, n_current: int) -> set[int]:
+    """Where a later turn of a conversation can resume: the system block's end, and every
+    boundary from the first of the `n_current` messages this turn adds (see the docstring)."""
+    b = prompt.boundaries
+    first = b.message_starts[-n_current]
+    return {b.system_end} | {p for p in b.points() if p >= first}
 
 
 def _params(kwargs: dict) -> SamplingParams:

@@ -94,6 +94,18 @@ def test_trimming_turn_restarts_from_the_system_snapshot(tiny):
     assert turn.stats.prefilled_tokens == len(turn.prompt_ids) - system_end
 
 
+def test_snapshots_are_kept_only_where_a_later_turn_resumes(tiny):
+    s = tiny.session("You are a helpful assistant.", max_exchanges=2)
+    for q in QUESTIONS[:5]:  # turns 3-5 trim the window
+        b = s.render([{"role": "user", "content": q}], MAX_TOKENS).boundaries
+        turn = s.send(q, max_tokens=MAX_TOKENS)
+        # the system block's end (trimming turns), the new message's start (edit), right after
+        # "<|im_start|>assistant\n" (the next turn, regenerate) and the prompt's end
+        expected = {b.system_end, b.message_starts[-1], b.generation_start, len(turn.prompt_ids)}
+        assert set(s.seq.snapshots) == expected
+    assert s.regenerate(max_tokens=MAX_TOKENS).stats.prefilled_tokens <= 6  # still all it needs
+
+
 def test_identical_resend_prefills_a_handful(tiny):
     s = tiny.session("sys")
     s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
