@@ -1,11 +1,11 @@
 """The cache state of a conversation as one safetensors file: write, check, read back.
 
-`encode_state` serializes a `CachedSequence`: its token ids, the live KV and recurrent caches,
-and the recurrent arrays of a few snapshots. `decode_state` gives them back only if everything
-checks out: same format and version, same weights (fingerprint) and dtype, the token ids the
-caller expects (`state_key`), a whole-content checksum, and layers and positions that fit the
-model. Anything else raises `StateError`: the caller then rebuilds from its log, never trusting
-a damaged or stale state.
+`capture_state` copies a `CachedSequence` out of MLX (its token ids, the live KV and recurrent
+caches, and the recurrent arrays of a few snapshots); `CapturedState.encode` serializes it.
+`decode_state` gives it back only if everything checks out: same format and version, same
+weights (fingerprint) and dtype, the token ids the caller expects (`state_key`), a
+whole-content checksum, and layers and positions that fit the model. Anything else raises
+`StateError`: the caller then rebuilds from its log, never trusting a damaged or stale state.
 """
 
 from __future__ import annotations
@@ -126,11 +126,6 @@ def capture_state(seq, engine) -> CapturedState:
     return CapturedState(tensors, meta)
 
 
-def encode_state(seq, engine) -> bytes:
-    """Serialize a CachedSequence (tokens, live caches, snapshots) as safetensors bytes."""
-    return capture_state(seq, engine).encode()
-
-
 def read_header(data: bytes) -> dict:
     """The metadata of a state file's bytes (raises StateError if there is none)."""
     if len(data) < 8:
@@ -145,7 +140,7 @@ def read_header(data: bytes) -> dict:
 
 
 def decode_state(data: bytes, engine, expected_key: str | None):
-    """(tokens, caches, snapshots) from `encode_state` bytes; raises StateError if unusable."""
+    """(tokens, caches, snapshots) from `CapturedState.encode` bytes; raises StateError if unusable."""
     from safetensors import SafetensorError
     from safetensors.numpy import load
 
