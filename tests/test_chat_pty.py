@@ -24,6 +24,9 @@ class Terminal:
         env = {**os.environ, "TERM": "dumb", "CHATML_HOME": os.environ["CHATML_HOME"]}
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: its stdin/stdout/stderr are the terminal
+            # As a login terminal gives it: a test run started in the background (`cmd &`)
+            # ignores SIGINT, the child would inherit that, and Ctrl+C would do nothing.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execve(sys.executable, [sys.executable, "-m", "engine.cli", *args], env)
         self.seen = ""
 
@@ -43,6 +46,14 @@ class Terminal:
             self.seen += chunk.decode("utf-8", "replace")
         head, _, self.seen = self.seen.partition(text)
         return head + text
+
+    def wait_for_output(self, timeout: float = 60) -> None:
+        """Wait until the child prints something new."""
+        if self.seen:
+            return
+        if not select.select([self.fd], [], [], timeout)[0]:
+            raise AssertionError("no output")
+        self.seen += os.read(self.fd, 4096).decode("utf-8", "replace")
 
     def type(self, keys: str) -> None:
         os.write(self.fd, keys.encode())
@@ -93,8 +104,10 @@ def test_interactive_commands_and_ctrl_c_during_an_answer():
     t.expect("1 exchange resumed, cache restored")
     t.expect(">>> ")
     t.type("Tell me a long story\r")
-    t.expect("Tell me a long story")  # the terminal's echo
-    time.sleep(1.0)  # the answer is streaming
+    t.expect("Tell me a long story\r\n")  # the terminal's echo
+    # Interrupt as soon as the answer streams: random weights can end an answer early, so a
+    # fixed wait could find it already finished.
+    t.wait_for_output()
     t.type("\x03")
     t.expect("[interrupted: the question was not recorded]")
     t.expect(">>> ")
