@@ -30,6 +30,20 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository: where child interpreters run
+
+
+def child_env(blas: str) -> dict[str, str]:
+    """Environment for a benchmark's child interpreter: CHATML_BLAS=`blas`, this repo importable.
+
+    The BLAS must be chosen before mlx is first imported, so settings that differ run in
+    interpreters of their own.
+    """
+    env = dict(os.environ, CHATML_BLAS=blas)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
 def write_json(path: str | None, result: dict) -> None:
     """Write a bench result where `--json` asked for it (its folder created)."""
     if path:

@@ -14,11 +14,8 @@ import platform
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from bench.common import cpu_model
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT, child_env, cpu_model
 
 # Qwen3.5-0.8B Gated DeltaNet layer shapes.
 B, HK, HV, DK, DV = 1, 16, 16, 128, 128
@@ -84,8 +81,7 @@ def child(ts: list[int], repeats: int) -> dict:
 
 
 def run_child(blas_setting: str, ts: list[int], repeats: int) -> dict:
-    env = dict(os.environ, CHATML_BLAS=blas_setting)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env = child_env(blas_setting)
     cmd = [sys.executable, "-m", "bench.kernels", "--child", "--repeats", str(repeats)]
     cmd += ["--ts", ",".join(map(str, ts))] if ts else ["--ts", ""]
     res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=True)

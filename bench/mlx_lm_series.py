@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench.common import load_mlx_lm
+from bench.common import ROOT, child_env, load_mlx_lm
 
-ROOT = Path(__file__).resolve().parents[1]
 PREFILL_STEP = 2048  # mlx-lm's default prefill_step_size (generate_step and the server)
 
 
@@ -158,8 +156,7 @@ class InstalledStock:
     """`stock_turn` served by a child interpreter running mlx-lm as installed."""
 
     def __init__(self, path: str | Path, banned: list[int]):
-        env = dict(os.environ, CHATML_BLAS="0")
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env = child_env("0")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.mlx_lm_series", str(path)],
             env=env, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,

@@ -30,9 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import write_json
+from bench.common import ROOT, child_env, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("chatml", "chatml_sequential", "mlx_lm", "mlx_lm_stock")
 DECODE_PROMPT = 512
 
@@ -142,8 +141,7 @@ def _mlx_lm(path: str):
 
 
 def run_child(config: str, path: Path, ts: list[int], decode_n: int, repeats: int) -> dict:
-    env = dict(os.environ, CHATML_BLAS="0" if config == "mlx_lm_stock" else "1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env = child_env("0" if config == "mlx_lm_stock" else "1")
     cmd = [sys.executable, "-m", "bench.throughput", "--child", config, "--model", str(path),
            "--ts", ",".join(map(str, ts)), "--decode", str(decode_n), "--repeats", str(repeats)]  # fmt: skip
     res = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True)
