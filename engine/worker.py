@@ -66,7 +66,7 @@ class ModelWorker:
         self.idle = threading.Event()  # set while waiting for a job (after any warm-up)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.stopping = threading.Event()
-        self.completed = 0
+        self.completed = 0  # jobs answered or failed, counted before the client hears
         self._thread = threading.Thread(target=self._loop, name="chatml-model", daemon=True)
 
     def start(self) -> None:
@@ -96,14 +96,15 @@ class ModelWorker:
                     result, seq = self._run(job)
                     # The active sequence was exempt while it ran; now the budget holds for all.
                     self.engine.budget.enforce()
-                job.emit(("done", result))
             except Exception as e:  # keep serving; the sequence has rolled back
                 log.exception("generation failed")
+                self.completed += 1
                 job.emit(("error", ApiError(500, f"generation failed: {e}", type="server_error")))
-            else:
-                if self.warm and result.finish_reason in ("stop", "tool_calls", "length"):
-                    self._warm(job, result, seq)
-            self.completed += 1
+                continue
+            self.completed += 1  # before the client can see the answer
+            job.emit(("done", result))
+            if self.warm and result.finish_reason in ("stop", "tool_calls", "length"):
+                self._warm(job, result, seq)
 
     def _warm(self, job: Job, result: Result, seq) -> None:
         """While no request waits, prefill what this conversation's next request starts with.
