@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
-import json
 import os
 import re
 import shutil
@@ -27,10 +25,10 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from .paths import atomic_write, chatml_home
+from .session_log import OPTIONS, SessionLog, encode_record, read_log
 from .state_file import (
     FORMAT,
     VERSION,
@@ -43,7 +41,6 @@ from .state_file import (
 
 LOG, STATE, LOCK = "log.jsonl", "state.safetensors", "lock"
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_OPTIONS = ("model", "system", "max_exchanges", "enable_thinking")
 
 
 class StoreWarning(UserWarning):
@@ -66,104 +63,6 @@ def check_id(session_id: str) -> str:
             "starting with a letter or digit (no path separators, no '..')"
         )
     return session_id
-
-
-# ----- the log ------------------------------------------------------------------------------
-
-
-def _checksum(record: dict) -> str:
-    body = {k: v for k, v in record.items() if k != "sum"}
-    text = json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _encode(record: dict) -> bytes:
-    record = {**record, "sum": _checksum(record)}
-    return (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
-
-
-def _valid_messages(msgs) -> bool:
-    return (
-        isinstance(msgs, list)
-        and bool(msgs)
-        and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs)
-    )
-
-
-def _check_record(rec) -> str | None:
-    """Why a parsed record is unusable, or None."""
-    if not isinstance(rec, dict) or not isinstance(rec.get("type"), str):
-        return "not a record"
-    if "sum" in rec and rec["sum"] != _checksum(rec):
-        return "checksum mismatch"
-    if rec["type"] == "turn":
-        if not _valid_messages(rec.get("messages")):
-            return "turn without messages"
-        if not isinstance(rec.get("index"), int) or rec["index"] < 0:
-            return "turn without index"
-    return None
-
-
-@dataclass
-class SessionLog:
-    """What a log says: options, the conversation, and which state belongs after it."""
-
-    options: dict = field(default_factory=dict)  # model, system, max_exchanges, enable_thinking
-    history: list[list[dict]] = field(default_factory=list)
-    records: list[dict] = field(default_factory=list)  # good records, in order
-    state_key: str | None = None  # key of the caches after the last good turn
-    turns: int = 0  # turn records (including regenerated ones)
-    skipped: int = 0  # damaged lines
-    created: float | None = None
-    updated: float | None = None
-
-    @property
-    def has_header(self) -> bool:
-        return any(r.get("type") == "session" for r in self.records)
-
-
-def read_log(path: Path, warn: Callable[[str], None]) -> SessionLog:
-    """Replay a log; damaged lines are skipped with `warn`, everything else is kept."""
-    log = SessionLog()
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        return log
-    lines = data.split(b"\n")
-    for lineno, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            rec = json.loads(raw.decode("utf-8"))
-            why = _check_record(rec)
-        except (UnicodeDecodeError, ValueError) as e:
-            rec, why = None, f"unreadable ({e.__class__.__name__})"
-        if why is not None:
-            last = lineno == len(lines) and not data.endswith(b"\n")
-            where = "last line, cut short by a crash?" if last else f"line {lineno}"
-            warn(f"{path}: skipped {where}: {why}")
-            log.skipped += 1
-            continue
-        _apply(log, rec)
-    return log
-
-
-def _apply(log: SessionLog, rec: dict) -> None:
-    kind = rec["type"]
-    log.records.append(rec)
-    when = rec.get("time")
-    if isinstance(when, (int, float)):
-        log.created = when if log.created is None else log.created
-        log.updated = when
-    if kind in ("session", "options"):
-        log.options.update({k: rec[k] for k in _OPTIONS if k in rec})
-    elif kind == "reset":
-        log.history, log.state_key = [], None
-    elif kind == "turn":
-        log.turns += 1
-        log.state_key = rec.get("state_key")
-        if not rec.get("pending"):  # an exchange waiting for tool results is not history yet
-            log.history = log.history[: rec["index"]] + [rec["messages"]]
 
 
 # ----- the store ----------------------------------------------------------------------------
@@ -294,7 +193,7 @@ class StoredSession:
         stored = log.options
         given = {k: options.pop(k, None) for k in ("system", "max_exchanges", "enable_thinking")}
         given["model"] = model
-        chosen = {k: given[k] if given[k] is not None else stored.get(k) for k in _OPTIONS}
+        chosen = {k: given[k] if given[k] is not None else stored.get(k) for k in OPTIONS}
         self.session = self.engine.session(
             chosen["system"],
             max_exchanges=chosen["max_exchanges"] or 6,
@@ -370,7 +269,7 @@ class StoredSession:
     def _append(self, record: dict) -> None:
         if self._log is None:
             raise ValueError(f"session {self.id!r} is closed")
-        self._write(_encode({**record, "time": time.time()}))
+        self._write(encode_record({**record, "time": time.time()}))
 
     def append_turn(self, turn, *, messages=None, index: int | None = None, key="live") -> None:
         """Log a completed turn (call right after it finishes, before `save_state`).

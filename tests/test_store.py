@@ -14,8 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from engine.session_log import read_log
 from engine.state_file import SNAPSHOTS_KEPT, read_header
-from engine.store import LOG, STATE, SessionBusy, SessionIdError, SessionStore, check_id, read_log
+from engine.store import LOG, STATE, SessionBusy, SessionIdError, SessionStore, check_id
 
 QUESTIONS = ["Hi! My order number is 48213.", "What is my order number?", "你好", "Thanks!"]
 SYSTEM = "You are a helpful assistant."

@@ -1,0 +1,113 @@
+"""The session log's format: one checksummed JSON record a line, replayed into a `SessionLog`.
+
+Records: a `session` header (the options), `turn` (an exchange at an index of the history, with
+the key of the caches after it; `pending` while tool results are awaited), `reset` and
+`options`. A record carries `sum`, a checksum of its own content, so a torn or edited line is
+recognised and skipped while the records around it are kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+OPTIONS = ("model", "system", "max_exchanges", "enable_thinking")
+
+
+def _checksum(record: dict) -> str:
+    body = {k: v for k, v in record.items() if k != "sum"}
+    text = json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def encode_record(record: dict) -> bytes:
+    """One log line: the record with its checksum, newline-terminated UTF-8."""
+    record = {**record, "sum": _checksum(record)}
+    return (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+
+
+def _valid_messages(msgs) -> bool:
+    return (
+        isinstance(msgs, list)
+        and bool(msgs)
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs)
+    )
+
+
+def _check_record(rec) -> str | None:
+    """Why a parsed record is unusable, or None."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("type"), str):
+        return "not a record"
+    if "sum" in rec and rec["sum"] != _checksum(rec):
+        return "checksum mismatch"
+    if rec["type"] == "turn":
+        if not _valid_messages(rec.get("messages")):
+            return "turn without messages"
+        if not isinstance(rec.get("index"), int) or rec["index"] < 0:
+            return "turn without index"
+    return None
+
+
+@dataclass
+class SessionLog:
+    """What a log says: options, the conversation, and which state belongs after it."""
+
+    options: dict = field(default_factory=dict)  # model, system, max_exchanges, enable_thinking
+    history: list[list[dict]] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list)  # good records, in order
+    state_key: str | None = None  # key of the caches after the last good turn
+    turns: int = 0  # turn records (including regenerated ones)
+    skipped: int = 0  # damaged lines
+    created: float | None = None
+    updated: float | None = None
+
+    @property
+    def has_header(self) -> bool:
+        return any(r.get("type") == "session" for r in self.records)
+
+
+def read_log(path: Path, warn: Callable[[str], None]) -> SessionLog:
+    """Replay a log; damaged lines are skipped with `warn`, everything else is kept."""
+    log = SessionLog()
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return log
+    lines = data.split(b"\n")
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+            why = _check_record(rec)
+        except (UnicodeDecodeError, ValueError) as e:
+            rec, why = None, f"unreadable ({e.__class__.__name__})"
+        if why is not None:
+            last = lineno == len(lines) and not data.endswith(b"\n")
+            where = "last line, cut short by a crash?" if last else f"line {lineno}"
+            warn(f"{path}: skipped {where}: {why}")
+            log.skipped += 1
+            continue
+        _apply(log, rec)
+    return log
+
+
+def _apply(log: SessionLog, rec: dict) -> None:
+    kind = rec["type"]
+    log.records.append(rec)
+    when = rec.get("time")
+    if isinstance(when, (int, float)):
+        log.created = when if log.created is None else log.created
+        log.updated = when
+    if kind in ("session", "options"):
+        log.options.update({k: rec[k] for k in OPTIONS if k in rec})
+    elif kind == "reset":
+        log.history, log.state_key = [], None
+    elif kind == "turn":
+        log.turns += 1
+        log.state_key = rec.get("state_key")
+        if not rec.get("pending"):  # an exchange waiting for tool results is not history yet
+            log.history = log.history[: rec["index"]] + [rec["messages"]]
