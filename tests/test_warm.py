@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from helpers import QUESTIONS, fresh_greedy
@@ -47,8 +48,14 @@ def test_send_during_warm_is_served_correctly_and_promptly(tiny):
     started, checks, result = threading.Event(), [], {}
 
     def cancelled() -> bool:
+        # First check: hold the warm-up until the send has asked for the model, so the send
+        # lands mid-warm however the two threads are scheduled.
+        if not checks:
+            started.set()
+            deadline = time.monotonic() + 30
+            while not tiny.background_should_yield() and time.monotonic() < deadline:
+                time.sleep(0.005)
         checks.append(1)
-        started.set()
         return False
 
     b = s.render([{"role": "user", "content": "x"}], MAX_TOKENS).boundaries
