@@ -58,7 +58,8 @@ class Terminal:
     def type(self, keys: str) -> None:
         os.write(self.fd, keys.encode())
 
-    def wait(self, timeout: float = 30) -> int:
+    def wait(self, timeout: float = 30, kill: bool = True) -> int | None:
+        """The child's exit code; past `timeout` it is killed (an error), or None if not `kill`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with_output = select.select([self.fd], [], [], 0.1)[0]
@@ -71,6 +72,8 @@ class Terminal:
             if pid:
                 os.close(self.fd)
                 return os.waitstatus_to_exitcode(status)
+        if not kill:
+            return None
         os.kill(self.pid, signal.SIGKILL)
         raise AssertionError(f"the chat did not exit; it printed {self.seen[-500:]!r}")
 
@@ -115,10 +118,17 @@ def test_interactive_commands_and_ctrl_c_during_an_answer():
     out = t.expect(">>> ")
     assert "First question" in out and "long story" not in out
     # Ctrl+C at the prompt leaves cleanly. (A SIGINT landing between the prompt being drawn
-    # and Python's readline entering select() is only seen at the next key: give it a moment.)
+    # and Python's readline entering select() is only seen at the next key: give it a moment,
+    # and press again, as a user would, if a loaded machine still hit that window.)
     time.sleep(0.5)
-    t.type("\x03")
-    assert t.wait() == 0
+    for _ in range(2):
+        t.type("\x03")
+        if (code := t.wait(10, kill=False)) is not None:
+            break
+    else:
+        t.type("\x03")
+        code = t.wait()  # killed, and the test fails, if even this one is not seen
+    assert code == 0
     log = SessionStore().read(sid)
     assert [ex[0]["content"] for ex in log.history] == ["First question"]
     assert log.turns == 2  # the first answer and its regeneration; nothing from the story
