@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from .cli import number
+
 COMMANDS = {
     "/reset": "forget the conversation (the system prompt stays)",
     "/history": "show the exchanges (* marks those in the model's window)",
@@ -43,10 +45,10 @@ def add_chat_parser(sub) -> None:
     c.add_argument("--model", default=None,
                    help="registry alias, checkpoint folder or Hub id (default: the session's, or tiny)")  # fmt: skip
     c.add_argument("--system", default=None, help="system prompt")
-    c.add_argument("--max-exchanges", type=int, default=None,
+    c.add_argument("--max-exchanges", type=number(0), default=None,
                    help="exchanges kept in the window (default 6)")  # fmt: skip
-    c.add_argument("--max-tokens", type=int, default=256, help="answer length limit")
-    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--max-tokens", type=number(1), default=256, help="answer length limit")
+    c.add_argument("--temperature", type=number(0.0, kind=float), default=0.0)
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="thinking mode (default: the model's)")  # fmt: skip
@@ -386,7 +388,8 @@ def run_chat(args) -> int:
             n = stored.resumed_turns
             _err(f"[session {stored.id}: {n} exchange{'s' * (n != 1)} resumed, {how}]")
     else:
-        options["max_exchanges"] = options["max_exchanges"] or 6
+        if options["max_exchanges"] is None:
+            options["max_exchanges"] = 6
         session = eng.session(options.pop("system"), **options)
     interactive = args.prompt is None and sys.stdin.isatty()
     chat = None

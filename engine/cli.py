@@ -5,6 +5,25 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+
+
+def number(minimum: float, maximum: float | None = None, kind=int) -> Callable[[str], float]:
+    """An argparse type: a `kind` in [minimum, maximum] (a usage error naming the flag if not)."""
+    what = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {text}")
+        return value
+
+    return parse
 
 
 def _models(args) -> int:
@@ -144,11 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (README: Server)")
     s.add_argument("--model", default="tiny", help="registry alias, checkpoint folder or Hub id")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--port", type=number(0, 65535), default=8080)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    s.add_argument("--cache-bytes", type=int, default=None, help="cache budget (default: RAM/4)")
-    s.add_argument("--sequences", type=int, default=8, help="cached sequences kept for reuse")
-    s.add_argument("--max-tokens", type=int, default=512, help="answer limit if a request has none")
+    s.add_argument("--cache-bytes", type=number(1), default=None,
+                   help="cache budget (default: RAM/4)")  # fmt: skip
+    s.add_argument("--sequences", type=number(1), default=8,
+                   help="cached sequences kept for reuse")  # fmt: skip
+    s.add_argument("--max-tokens", type=number(1), default=512,
+                   help="answer limit if a request has none")  # fmt: skip
     s.set_defaults(func=_serve)
     return p
 

@@ -31,6 +31,30 @@ DEFAULT_MAX_TOKENS = 512
 _TYPICAL_MESSAGE = "x " * 64
 
 
+def _check_options(*, system, tools, enable_thinking, preserve_thinking, **counts) -> None:
+    """Reject a session option of the wrong type or range when the session is made, not at
+    its first turn."""
+    if system is not None and not isinstance(system, str):
+        raise TypeError(f"system must be a string or None, got {type(system).__name__}")
+    if tools is not None and not isinstance(tools, list):
+        raise TypeError(f"tools must be a list of tool definitions, got {type(tools).__name__}")
+    for name, flag in (("enable_thinking", enable_thinking),
+                       ("preserve_thinking", preserve_thinking)):  # fmt: skip
+        if flag is not None and not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True, False or None, got {flag!r}")
+    minimum = {"max_exchanges": 0, "max_tokens": 1, "context_window": 1}
+    for name, value in counts.items():
+        if value is not None or name != "context_window":
+            _check_count(name, value, minimum[name])
+
+
+def _check_count(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
 class Session:
     """One conversation on an engine; `Engine.session(...)` makes one."""
 
@@ -46,6 +70,11 @@ class Session:
         max_tokens: int = DEFAULT_MAX_TOKENS,
         context_window: int | None = None,
     ):
+        _check_options(
+            system=system, max_exchanges=max_exchanges, enable_thinking=enable_thinking,
+            preserve_thinking=preserve_thinking, tools=tools, max_tokens=max_tokens,
+            context_window=context_window,
+        )  # fmt: skip
         self.engine = engine
         self.system = system
         self.max_exchanges = max_exchanges
@@ -227,8 +256,7 @@ class Session:
         t0 = time.perf_counter()
         self.stop_warm()  # our own warm-up: stop it before reading the history it reads
         max_tokens = self.max_tokens if max_tokens is None else max_tokens
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        _check_count("max_tokens", max_tokens, 1)
         prompt = self.render(current, max_tokens, tools)
         return self._run(
             prompt, current, Sampler(params), max_tokens, validate, ignore_eos, tools, t0

@@ -87,6 +87,30 @@ def test_prompt_with_no_history_is_a_usage_error():
     assert "--no-history has no effect with -p" in r.stderr
 
 
+@pytest.mark.parametrize(
+    "command, flag, value, message",
+    [
+        ("chat", "--max-exchanges", "-1", "argument --max-exchanges: must be >= 0, got -1"),
+        ("chat", "--max-tokens", "0", "argument --max-tokens: must be >= 1, got 0"),
+        ("chat", "--max-tokens", "many", "argument --max-tokens: expected an integer, got 'many'"),
+        ("chat", "--temperature", "-0.5", "argument --temperature: must be >= 0.0, got -0.5"),
+        ("serve", "--port", "70000", "argument --port: must be <= 65535, got 70000"),
+        ("serve", "--max-tokens", "-5", "argument --max-tokens: must be >= 1, got -5"),
+        ("serve", "--sequences", "0", "argument --sequences: must be >= 1, got 0"),
+    ],
+)
+def test_bad_numbers_are_usage_errors(command, flag, value, message):
+    r = chatml(command, flag, value, stdin="Hi\n")
+    assert r.returncode == 2 and message in r.stderr
+
+
+def test_zero_exchanges_keeps_no_history():
+    r = chatml("chat", "--max-exchanges", "0", "--max-tokens", "2", stdin="Hello\nHello\n")
+    assert r.returncode == 0, r.stderr
+    (p1, _, _, _), (p2, _, _, _) = STATS.findall(r.stdout)
+    assert p1 == p2  # the second prompt holds no earlier exchange (0 is not "the default")
+
+
 def test_resume_in_a_new_process_equals_an_uninterrupted_run(tiny):
     sid = new_id("resume")
     opts = ("--system", SYSTEM, "--max-tokens", "5", "--session", sid)

@@ -219,7 +219,27 @@ def test_bad_input_raises_before_touching_anything(tiny):
     small = tiny.session("sys", context_window=40)
     with pytest.raises(ValueError, match="context window 40 minus 8 tokens reserved"):
         small.send("word " * 200, max_tokens=8)
+    with pytest.raises(TypeError, match="max_tokens must be an integer, got 2.5"):
+        s.send("hi", max_tokens=2.5)
     assert s.tokens == tokens and s.seq.snapshots == snaps and len(s.history) == 1
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"max_exchanges": -1}, ValueError, "max_exchanges must be >= 0, got -1"),
+        ({"max_exchanges": 2.5}, TypeError, "max_exchanges must be an integer"),
+        ({"max_tokens": 0}, ValueError, "max_tokens must be >= 1"),
+        ({"context_window": "4k"}, TypeError, "context_window must be an integer"),
+        ({"enable_thinking": "yes"}, TypeError, "enable_thinking must be True, False or None"),
+        ({"preserve_thinking": 1}, TypeError, "preserve_thinking must be True, False or None"),
+        ({"tools": {"name": "f"}}, TypeError, "tools must be a list"),
+        ({"system": ["sys"]}, TypeError, "system must be a string or None, got list"),
+    ],
+)
+def test_bad_session_options_raise_when_the_session_is_made(tiny, options, error, message):
+    with pytest.raises(error, match=message):
+        tiny.session(**{"system": "sys", **options})
 
 
 # ----- randomized scripts -----------------------------------------------------------------
