@@ -5,5 +5,6 @@ from kernels import blas as _blas
 _blas.enable()  # must run before MLX loads: MLX resolves cblas_sgemm at load time
 
 from .engine import Engine, load  # noqa: E402
+from .session import TurnConflict  # noqa: E402
 
-__all__ = ["Engine", "load"]
+__all__ = ["Engine", "TurnConflict", "load"]

@@ -31,6 +31,17 @@ DEFAULT_MAX_TOKENS = 512
 _TYPICAL_MESSAGE = "x " * 64
 
 
+class TurnConflict(RuntimeError):
+    """A turn that cannot run: another turn of the session is running (an open stream), or
+    its stream was made before the session's last turn (its prompt lacks that exchange)."""
+
+
+_BUSY = (
+    "this session is still answering (an unfinished stream?): finish or close that stream "
+    "before the next turn"
+)
+
+
 def _check_options(*, system, tools, enable_thinking, preserve_thinking, **counts) -> None:
     """Reject a session option of the wrong type or range when the session is made, not at
     its first turn."""
@@ -89,6 +100,8 @@ class Session:
         self.segments = SegmentCache()  # token ids of rendered segments, reused across turns
         self._warmed = (0, 0)  # positions the last warm() computed, for the next turn's stats
         self._warming: tuple[threading.Thread, threading.Event] | None = None
+        self._answering = threading.Lock()  # held while a turn runs (an open stream)
+        self._recorded = 0  # turns recorded: a stream made before the last one is stale
 
     # ----- public API -------------------------------------------------------------------
 
@@ -150,6 +163,8 @@ class Session:
 
     def edit_last(self, text, **kwargs) -> Turn:
         """Replace the last question by `text` (None keeps it) and answer it afresh."""
+        if self._answering.locked():
+            raise TurnConflict(_BUSY)
         if not self.history:
             raise ValueError("there is no exchange to redo")
         self.stop_warm()
@@ -169,8 +184,8 @@ class Session:
         Exact: the next turn reuses only what matches its prompt. Stops at a chunk boundary
         when foreground work needs the model, or when `cancelled()` is true.
         """
-        if self.pending:
-            return 0  # the next input is tool results: the prompt already ends at a boundary
+        if self.pending or self._answering.locked():
+            return 0  # tool results come next (the prompt ends at a boundary), or a turn runs
         prompt = self.render([{"role": "user", "content": _TYPICAL_MESSAGE}], self.max_tokens)
         b = prompt.boundaries
         prefix = prompt.ids[: b.message_starts[-1]]  # up to the new user message
@@ -254,15 +269,31 @@ class Session:
         # Everything that can reject the input runs here, before the generator starts, so a
         # bad message raises at the call and touches nothing.
         t0 = time.perf_counter()
+        if self._answering.locked():
+            raise TurnConflict(_BUSY)
         self.stop_warm()  # our own warm-up: stop it before reading the history it reads
         max_tokens = self.max_tokens if max_tokens is None else max_tokens
         _check_count("max_tokens", max_tokens, 1)
         prompt = self.render(current, max_tokens, tools)
         return self._run(
-            prompt, current, Sampler(params), max_tokens, validate, ignore_eos, tools, t0
-        )
+            self._recorded, prompt, current, Sampler(params), max_tokens, validate, ignore_eos,
+            tools, t0,
+        )  # fmt: skip
 
-    def _run(
+    def _run(self, recorded: int, *args) -> Iterator:
+        if not self._answering.acquire(blocking=False):
+            raise TurnConflict(_BUSY)
+        try:
+            if recorded != self._recorded:  # its prompt lacks the turns answered since
+                raise TurnConflict(
+                    "this stream was made before the session's last turn: make a new one"
+                )
+            turn = yield from self._answer(*args)
+        finally:
+            self._answering.release()
+        yield turn
+
+    def _answer(
         self, prompt, current, sampler, max_tokens, validate, ignore_eos, tools, t0
     ) -> Iterator:
         stops = _resume_points(prompt, len(current))
@@ -296,7 +327,7 @@ class Session:
             self.seq.keep_snapshots(stops | {len(prompt.ids)})
             if tools is not None:
                 self.tools = tools  # the session's tools from now on
-        yield turn
+        return turn
 
     def _make_turn(self, prompt, raw: str, p: Progress, t0: float) -> Turn:
         thinking = prompt.text.endswith("<think>\n")  # the generation prompt opened a think block
@@ -322,6 +353,7 @@ class Session:
                     calls, error)  # fmt: skip
 
     def _record(self, current: list[dict], turn: Turn) -> None:
+        self._recorded += 1
         exchange = current + [turn.message()]
         if turn.tool_calls:
             self.pending = exchange  # the exchange goes on with the tool results

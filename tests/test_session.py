@@ -224,6 +224,30 @@ def test_bad_input_raises_before_touching_anything(tiny):
     assert s.tokens == tokens and s.seq.snapshots == snaps and len(s.history) == 1
 
 
+def test_a_turn_during_an_open_stream_is_refused_and_changes_nothing(tiny):
+    s = tiny.session("sys")
+    s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    never_started = s.stream(QUESTIONS[4])  # made before: holds nothing until iterated
+    stream = s.stream(QUESTIONS[1], max_tokens=MAX_TOKENS, ignore_eos=True)
+    first = next(stream)
+    tokens = list(s.tokens)
+    for start_another in (lambda: s.send(QUESTIONS[2]), lambda: s.stream(QUESTIONS[3]),
+                          s.regenerate, never_started.__next__):  # fmt: skip
+        with pytest.raises(engine.TurnConflict, match="still answering"):
+            start_another()
+    assert s.warm() == 0
+    assert s.tokens == tokens and len(s.history) == 1
+    *pieces, turn = [first, *stream]  # the open turn goes on, exact
+    assert turn.text == "".join(pieces)
+    assert turn.token_ids == fresh_greedy(tiny, turn.prompt_ids, MAX_TOKENS)[0]
+    stale = s.stream(QUESTIONS[3])
+    nxt = s.send(QUESTIONS[2], max_tokens=MAX_TOKENS)  # and the session is free again
+    assert len(s.history) == 3 and nxt.stats.reused_tokens > 0
+    with pytest.raises(engine.TurnConflict, match="made before the session's last turn"):
+        next(stale)  # its prompt lacks the exchange just answered
+    assert len(s.history) == 3
+
+
 @pytest.mark.parametrize(
     "options, error, message",
     [
