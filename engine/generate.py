@@ -92,14 +92,45 @@ def decode(
 ) -> Iterator[int]:
     """Yield sampled tokens; each non-stop token is fed back before the next is sampled.
 
-    The stop token is yielded (so callers can see why it ended) but never fed. `history`
-    (the prompt ids) is extended in place with the generated tokens for the repetition penalty.
+    The stop token is yielded (so callers can see why it ended) but never fed, and a token at
+    which the consumer stops reading is not fed either. `history` (the prompt ids) is extended
+    in place with the generated tokens, for the repetition penalty.
+
+    Pipelined as mlx-lm's loop is: the next step's graph is built on the sampled token while it
+    is still being computed, and queued before the token is read, so building a step (a few ms
+    of Python per token) overlaps the previous step's compute. When that token turns out to end
+    the answer, the step is undone (the KV offsets and recurrent arrays it replaced are put
+    back; MLX arrays are immutable, so keeping them costs nothing). A sampler that reads the
+    token history (the repetition penalty) runs one step at a time.
     """
+    ahead = not getattr(sampler, "reads_history", True)
+    y = sampler(logits, history)
     for i in range(max_tokens):
-        token = sampler(logits, history).item()
+        last = i == max_tokens - 1
+        undo = None
+        if ahead and not last:
+            undo = [c.snapshot() for c in caches]
+            next_y = sampler(model(y.reshape(1, 1), caches)[0, -1], history)
+            mx.async_eval(next_y)
+        token = y.item()
         history.append(token)
-        yield token
-        if token in stop_ids or i == max_tokens - 1:
+        try:
+            yield token
+        except GeneratorExit:  # the consumer stopped at this token: it was not fed
+            _undo(caches, undo)
+            raise
+        if token in stop_ids or last:
+            _undo(caches, undo)
             return
-        logits = model(mx.array([[token]]), caches)[0, -1]
-        mx.async_eval(logits)
+        if undo is None:
+            y = sampler(model(mx.array([[token]]), caches)[0, -1], history)
+            mx.async_eval(y)
+        else:
+            y = next_y
+
+
+def _undo(caches: list, saved: list | None) -> None:
+    """Put back the caches' state from before a step fed ahead of time (None: none was)."""
+    if saved is not None:
+        for c, state in zip(caches, saved, strict=True):
+            c.restore(state)

@@ -41,6 +41,11 @@ class Sampler:
         self.p = params
         self.key = mx.random.key(params.seed) if params.seed is not None else None
 
+    @property
+    def reads_history(self) -> bool:
+        """Whether a pick depends on the tokens before it (then decoding cannot run ahead)."""
+        return self.p.repetition_penalty != 1.0
+
     def __call__(self, logits: mx.array, recent: Sequence[int]) -> mx.array:
         p = self.p
         logits = logits.astype(mx.float32)

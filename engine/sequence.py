@@ -12,6 +12,7 @@ rolls back to its state before the call (or to a snapshot of it), never to an in
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -126,18 +127,21 @@ class CachedSequence:
                 progress.prefill_s = time.perf_counter() - t
                 history = list(ids)
                 stop_ids = () if ignore_eos else engine.stop_ids
-                for token in decode(
+                # Closed on every way out, before the bookkeeping below: decode undoes the
+                # step it ran ahead on a token that is not fed (see `decode`).
+                with contextlib.closing(decode(
                     engine.model, self.caches, logits, sampler,
                     max_tokens=max_tokens, stop_ids=stop_ids, history=history,
-                ):  # fmt: skip
-                    now = time.perf_counter()
-                    if progress.first_token_at is None:
-                        progress.first_token_at, t = now, now
-                    if token in stop_ids:
-                        progress.finish = "stop"
-                        break
-                    progress.tokens.append(token)
-                    yield token
+                )) as steps:  # fmt: skip
+                    for token in steps:
+                        now = time.perf_counter()
+                        if progress.first_token_at is None:
+                            progress.first_token_at, t = now, now
+                        if token in stop_ids:
+                            progress.finish = "stop"
+                            break
+                        progress.tokens.append(token)
+                        yield token
                 progress.decode_s = time.perf_counter() - t
                 # The caches hold every generated token but the last one (never fed back).
                 done = progress.tokens

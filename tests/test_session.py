@@ -16,7 +16,7 @@ from helpers import QUESTIONS, fresh_greedy
 
 import engine
 import engine.sequence as sequence_module
-from engine.sampling import Sampler
+from engine.sampling import Sampler, SamplingParams
 
 MAX_TOKENS = 5
 
@@ -266,11 +266,41 @@ def test_bad_session_options_raise_when_the_session_is_made(tiny, options, error
         tiny.session(**{"system": "sys", **options})
 
 
+class StopAfter(Sampler):
+    """Greedy, but picks the stop token at pick `n + 1`: an answer that ends by itself."""
+
+    def __init__(self, eng, n):
+        super().__init__(SamplingParams())
+        self.stop, self.n, self.picks = eng.stop_ids[0], n, 0
+
+    def __call__(self, logits, recent):
+        self.picks += 1
+        return mx.array(self.stop) if self.picks > self.n else super().__call__(logits, recent)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3])
+def test_decoding_ahead_never_leaves_the_stop_token_in_the_cache(tiny, monkeypatch, n):
+    s = tiny.session("sys")
+    monkeypatch.setattr("engine.session.Sampler", lambda p: StopAfter(tiny, n))
+    turn = s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    monkeypatch.undo()
+    assert turn.finish_reason == "stop" and len(turn.token_ids) == n
+    assert turn.token_ids == fresh_greedy(tiny, turn.prompt_ids, n)[0]
+    # The caches hold the prompt and the answer, not the stop token fed ahead.
+    held = len(turn.prompt_ids) + n
+    assert len(s.seq.tokens) == held and {c.offset for c in s.seq.caches} == {held}
+    nxt = s.send(QUESTIONS[1], max_tokens=MAX_TOKENS)
+    assert nxt.token_ids == fresh_greedy(tiny, nxt.prompt_ids, MAX_TOKENS)[0]
+    assert nxt.stats.reused_tokens > 0
+
+
 # ----- randomized scripts -----------------------------------------------------------------
 
 
 class ScriptedSampler:
     """Emits a fixed tool call, then the stop token: a model that calls a tool."""
+
+    reads_history = False  # decoding runs ahead, and undoes the step it fed the stop token
 
     def __init__(self, eng, text):
         self.ids = eng.tokenizer.encode(text) + [eng.stop_ids[0]]
