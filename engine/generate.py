@@ -100,15 +100,16 @@ def decode(
     is still being computed, and queued before the token is read, so building a step (a few ms
     of Python per token) overlaps the previous step's compute. When that token turns out to end
     the answer, the step is undone (the KV offsets and recurrent arrays it replaced are put
-    back; MLX arrays are immutable, so keeping them costs nothing). A sampler that reads the
-    token history (the repetition penalty) runs one step at a time.
+    back; MLX arrays are immutable, so keeping them costs nothing). The first token is read
+    before anything is queued behind it: it is the time to first token. A sampler that reads
+    the token history (the repetition penalty) runs one step at a time.
     """
     ahead = not getattr(sampler, "reads_history", True)
     y = sampler(logits, history)
     for i in range(max_tokens):
         last = i == max_tokens - 1
         undo = None
-        if ahead and not last:
+        if ahead and 0 < i and not last:
             undo = [c.snapshot() for c in caches]
             next_y = sampler(model(y.reshape(1, 1), caches)[0, -1], history)
             mx.async_eval(next_y)
