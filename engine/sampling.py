@@ -20,16 +20,19 @@ class SamplingParams:
 
     def __post_init__(self):
         problems = []
-        if self.temperature < 0:
-            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        # Written so that NaN fails every check (each comparison with NaN is false).
+        if not self.temperature >= 0 or self.temperature == float("inf"):
+            problems.append(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
+        if not self.top_k >= 0:
             problems.append(f"top_k must be >= 0, got {self.top_k}")
         if not 0 <= self.min_p < 1:
             problems.append(f"min_p must be in [0, 1), got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            problems.append(
+                f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}"
+            )
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -212,8 +212,11 @@ def test_bad_input_raises_before_touching_anything(tiny):
         s.send(42)
     with pytest.raises(ValueError, match="max_tokens"):
         s.send("hi", max_tokens=0)
-    with pytest.raises(ValueError, match="temperature"):
-        s.send("hi", temperature=-1)
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature must be >= 0 and finite"):
+            s.send("hi", temperature=bad)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        s.send("hi", repetition_penalty=float("nan"))
     with pytest.raises(ValueError, match="no tool calls"):
         s.send_tool_results(["x"])
     small = tiny.session("sys", context_window=40)
