@@ -42,7 +42,8 @@ _BUSY = (
 )
 
 
-def _check_options(*, system, tools, enable_thinking, preserve_thinking, **counts) -> None:
+def _check_options(system, tools, enable_thinking, preserve_thinking, max_exchanges, max_tokens,
+                   context_window) -> None:  # fmt: skip
     """Reject a session option of the wrong type or range when the session is made, not at
     its first turn."""
     if system is not None and not isinstance(system, str):
@@ -53,10 +54,10 @@ def _check_options(*, system, tools, enable_thinking, preserve_thinking, **count
                        ("preserve_thinking", preserve_thinking)):  # fmt: skip
         if flag is not None and not isinstance(flag, bool):
             raise TypeError(f"{name} must be True, False or None, got {flag!r}")
-    minimum = {"max_exchanges": 0, "max_tokens": 1, "context_window": 1}
-    for name, value in counts.items():
-        if value is not None or name != "context_window":
-            _check_count(name, value, minimum[name])
+    _check_count("max_exchanges", max_exchanges, 0)
+    _check_count("max_tokens", max_tokens, 1)
+    if context_window is not None:
+        _check_count("context_window", context_window, 1)
 
 
 def _check_count(name: str, value, minimum: int) -> None:
@@ -81,11 +82,8 @@ class Session:
         max_tokens: int = DEFAULT_MAX_TOKENS,
         context_window: int | None = None,
     ):
-        _check_options(
-            system=system, max_exchanges=max_exchanges, enable_thinking=enable_thinking,
-            preserve_thinking=preserve_thinking, tools=tools, max_tokens=max_tokens,
-            context_window=context_window,
-        )  # fmt: skip
+        _check_options(system, tools, enable_thinking, preserve_thinking, max_exchanges,
+                       max_tokens, context_window)  # fmt: skip
         self.engine = engine
         self.system = system
         self.max_exchanges = max_exchanges
@@ -163,8 +161,6 @@ class Session:
 
     def edit_last(self, text, **kwargs) -> Turn:
         """Replace the last question by `text` (None keeps it) and answer it afresh."""
-        if self._answering.locked():
-            raise TurnConflict(_BUSY)
         if not self.history:
             raise ValueError("there is no exchange to redo")
         self.stop_warm()
