@@ -26,6 +26,10 @@ from .tokenizer import StreamDecoder
 log = logging.getLogger("chatml.server")
 
 
+# Answers after which the conversation goes on, so its next prompt is worth preparing.
+_WARM_AFTER = ("stop", "tool_calls", "length")
+
+
 @dataclass
 class Job:
     """One completion for the worker; `emit` hands events to the request's event loop."""
@@ -96,14 +100,13 @@ class ModelWorker:
                     result, seq = self._run(job)
                     # The active sequence was exempt while it ran; now the budget holds for all.
                     self.engine.budget.enforce()
+                outcome = ("done", result)
             except Exception as e:  # keep serving; the sequence has rolled back
                 log.exception("generation failed")
-                self.completed += 1
-                job.emit(("error", ApiError(500, f"generation failed: {e}", type="server_error")))
-                continue
+                outcome = ("error", ApiError(500, f"generation failed: {e}", type="server_error"))
             self.completed += 1  # before the client can see the answer
-            job.emit(("done", result))
-            if self.warm and result.finish_reason in ("stop", "tool_calls", "length"):
+            job.emit(outcome)
+            if self.warm and outcome[0] == "done" and result.finish_reason in _WARM_AFTER:
                 self._warm(job, result, seq)
 
     def _warm(self, job: Job, result: Result, seq) -> None:
