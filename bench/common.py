@@ -97,9 +97,9 @@ def bench_models_dir() -> Path:
 
 def model_path(name: str, models_dir: str | None = None, dtype: str = "float32") -> Path:
     """A checkpoint folder for `name`: a folder as given, `tiny` embedded, or built once."""
-    from engine import registry
-    from engine.builder import build
-    from engine.loader import resolve
+    from engine.checkpoints import registry
+    from engine.checkpoints.builder import build
+    from engine.checkpoints.loader import resolve
 
     if Path(name).expanduser().is_dir():
         return Path(name).expanduser()
@@ -135,7 +135,7 @@ def special_ids(vocab_size: int) -> list[int]:
     random-weight gibberish from opening think or tool-call blocks that would change the
     conversation's shape.
     """
-    from engine.tokenizer import special_tokens
+    from engine.checkpoints.tokenizer import special_tokens
 
     first = min(i for i, _ in special_tokens())
     return list(range(first, vocab_size))

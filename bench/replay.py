@@ -229,8 +229,8 @@ def run(
 
 def _warm_up(eng, lm_model, lm_tok, processor) -> None:
     """One short throwaway generation per engine: first-call setup stays out of turn 1."""
-    from engine.generate import decode, prefill
-    from engine.sampling import Sampler, SamplingParams
+    from engine.runtime.generate import decode, prefill
+    from engine.runtime.sampling import Sampler, SamplingParams
 
     ids = eng.tokenizer.encode("warm-up: " + SYSTEM)
     caches = eng.model.make_caches()

@@ -61,7 +61,7 @@ def run(args) -> dict:
     url = args.url
     if url is None:
         import engine
-        from engine.server import BackgroundServer, ServerConfig
+        from engine.serving.server import BackgroundServer, ServerConfig
 
         eng = engine.load(args.model)
         server = BackgroundServer(eng, ServerConfig(model=args.model, port=0)).start()

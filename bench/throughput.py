@@ -6,8 +6,8 @@ Run: ``chatml bench throughput --model qwen3.5-0.8b [--ts 512,2048,8192] [--deco
 Each configuration runs in its own interpreter, because the BLAS library must be chosen before
 mlx is first imported, and so that peak memory is per configuration:
 
-- ``chatml``: this engine, fast BLAS, chunked gated delta kernel (``engine.generate.prefill``
-  on fresh caches, then ``engine.generate.decode``);
+- ``chatml``: this engine, fast BLAS, chunked gated delta kernel (``engine.runtime.generate.prefill``
+  on fresh caches, then ``engine.runtime.generate.decode``);
 - ``chatml_sequential``: this engine with fast BLAS but ``mx.fast.gated_delta_update``
   instead of the chunked kernel (where the kernel's share of the speedup shows);
 - ``mlx_lm``: mlx-lm's ``generate_step`` with this engine's fast BLAS loaded before mlx, but
@@ -80,8 +80,8 @@ def _chatml(path: str, chunked: bool):
     import mlx.core as mx
 
     import engine
-    from engine.generate import decode, prefill
-    from engine.sampling import Sampler, SamplingParams
+    from engine.runtime.generate import decode, prefill
+    from engine.runtime.sampling import Sampler, SamplingParams
     from kernels import blas
 
     eng = engine.load(path, chunked_delta=chunked)

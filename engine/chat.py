@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .cli import number
+from .args import number
 
 COMMANDS = {
     "/reset": "forget the conversation (the system prompt stays)",
@@ -270,7 +270,7 @@ class Chat:
             self.turns.append(last_turn)
 
     def _save(self, session_id: str | None) -> None:
-        from .store import SessionIdError
+        from .storage.store import SessionIdError
 
         if self.stored is not None:
             if session_id and session_id != self.stored.id:
@@ -346,7 +346,7 @@ def run_chat(args) -> int:
     if args.no_history and args.prompt is not None:
         _err("chatml chat: --no-history has no effect with -p (one question has no history)")
         return 2
-    from .store import SessionBusy, SessionIdError, SessionStore, check_id
+    from .storage.store import SessionBusy, SessionIdError, SessionStore, check_id
 
     warned: set[str] = set()
 
@@ -412,8 +412,8 @@ def run_chat(args) -> int:
 
 
 def run_sessions(args) -> int:
-    from .state_file import StateError, read_header
-    from .store import STATE, SessionBusy, SessionIdError, SessionStore
+    from .storage.state_file import StateError, read_header
+    from .storage.store import STATE, SessionBusy, SessionIdError, SessionStore
 
     store = SessionStore(warn=lambda m: _err(f"warning: {m}"))
     if args.action != "list" and not args.id:

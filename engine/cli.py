@@ -4,34 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from collections.abc import Callable
 
-
-def number(minimum: float, maximum: float | None = None, kind=int) -> Callable[[str], float]:
-    """An argparse type: a `kind` in [minimum, maximum] (a usage error naming the flag if not)."""
-    what = "an integer" if kind is int else "a number"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
-        if maximum is not None and value > maximum:
-            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {text}")
-        return value
-
-    return parse
+from .args import number
 
 
 def _models(args) -> int:
-    from . import registry
-    from .builder import build, parameter_count
+    from .checkpoints import registry
+    from .checkpoints.builder import build, parameter_count
 
     entries = registry.registry()
     if args.action in (None, "list"):
@@ -132,7 +112,7 @@ def _bench(args) -> int:
 
 
 def _serve(args) -> int:
-    from .server import run
+    from .serving.server import run
 
     return run(args)
 
@@ -183,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "models" and args.action in ("info", "build") and not args.name:
         print(f"chatml models {args.action}: a model name is required", file=sys.stderr)
         return 2
-    from .loader import CheckpointError
-    from .registry import RegistryError
+    from .checkpoints.loader import CheckpointError
+    from .checkpoints.registry import RegistryError
 
     try:
         return args.func(args)

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .loader import Checkpoint, inspect, load_tokenizer, load_weights, resolve
-from .model import ModelOptions, Qwen35
-from .registry import ModelEntry
-from .snapshot import CacheBudget
-from .tokenizer import Tokenizer
+from .checkpoints.loader import Checkpoint, inspect, load_tokenizer, load_weights, resolve
+from .checkpoints.registry import ModelEntry
+from .checkpoints.tokenizer import Tokenizer
+from .runtime.model import ModelOptions, Qwen35
+from .runtime.snapshot import CacheBudget
 
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 

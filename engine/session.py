@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 from renderer import PromptTooLong, SegmentCache, build_prompt
 
-from .sampling import Sampler, SamplingParams
-from .sequence import CachedSequence, Progress
-from .tokenizer import StreamDecoder
+from .checkpoints.tokenizer import StreamDecoder
+from .runtime.sampling import Sampler, SamplingParams
+from .runtime.sequence import CachedSequence, Progress
 from .turn import Turn, TurnStats, parse_tool_calls, split_reasoning
 
 DEFAULT_MAX_TOKENS = 512

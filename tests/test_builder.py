@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from engine import registry
-from engine.builder import build, tensor_plan
+from engine.checkpoints import registry
+from engine.checkpoints.builder import build, tensor_plan
 
 
 def _digest(folder):
@@ -39,7 +39,9 @@ def test_hub_layout_and_official_names(tmp_path):
     assert "model.language_model.layers.0.linear_attn.A_log" in names
     assert names == {s.name for s in tensor_plan(entry.arch)}
     assert conv.shape == (entry.arch.linear_conv_dim, 1, 4)  # the Hub's [C, 1, K]
-    template = (registry.REGISTRY_PATH.parent / "engine/templates/qwen3.5-small.jinja").read_text()
+    template = (
+        registry.REGISTRY_PATH.parent / "engine/checkpoints/templates/qwen3.5-small.jinja"
+    ).read_text()
     assert (path / "chat_template.jinja").read_text() == template
 
 

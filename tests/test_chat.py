@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.chat import AnswerRejected, schema_validator
-from engine.store import SessionStore
+from engine.storage.store import SessionStore
 
 STATS = re.compile(r"^\[prompt (\d+) tok: reused (\d+), prefilled (\d+); generated (\d+);", re.M)
 SYSTEM = "You are a helpful assistant."

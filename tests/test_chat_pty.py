@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from engine.store import SessionStore
+from engine.storage.store import SessionStore
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="needs a pty")
 

@@ -2,8 +2,8 @@
 
 import json
 
-from engine import registry
-from engine.builder import parameter_count
+from engine.checkpoints import registry
+from engine.checkpoints.builder import parameter_count
 from engine.cli import main
 
 

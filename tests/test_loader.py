@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 import engine
-from engine.loader import CheckpointError
+from engine.checkpoints.loader import CheckpointError
 
 
 @pytest.fixture

@@ -61,8 +61,8 @@ def tiny_moe(tmp_path_factory):
     """tiny with a mixture-of-experts FFN (the 35B-A3B layout: routed + shared experts)."""
     import dataclasses
 
-    from engine import registry
-    from engine.builder import build
+    from engine.checkpoints import registry
+    from engine.checkpoints.builder import build
 
     t = registry.get("tiny")
     arch = dataclasses.replace(

@@ -3,9 +3,9 @@ import copy
 import pytest
 import yaml
 
-from engine import registry
-from engine.builder import parameter_count
-from engine.registry import RegistryError, parse_registry
+from engine.checkpoints import registry
+from engine.checkpoints.builder import parameter_count
+from engine.checkpoints.registry import RegistryError, parse_registry
 
 EXPECTED = {"tiny", "qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b",
             "qwen3.5-35b-a3b"}  # fmt: skip

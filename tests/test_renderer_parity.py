@@ -64,7 +64,7 @@ def test_variants_known() -> None:
 
 def test_template_copies_identical() -> None:
     for variant, name in SHARED_NAMES.items():
-        ours = REPO / "engine" / "templates" / VARIANTS[variant].template
+        ours = REPO / "engine" / "checkpoints" / "templates" / VARIANTS[variant].template
         if (SHARED / name).exists() and ours.exists():
             assert ours.read_bytes() == (SHARED / name).read_bytes(), variant
 

@@ -14,11 +14,11 @@ import httpx
 import openai
 import pytest
 
-from engine.completion import OutputText, Renderer, parse_request
-from engine.generate import decode, prefill
-from engine.sampling import Sampler, SamplingParams
-from engine.server import BackgroundServer, ServerConfig
-from engine.tokenizer import StreamDecoder
+from engine.checkpoints.tokenizer import StreamDecoder
+from engine.runtime.generate import decode, prefill
+from engine.runtime.sampling import Sampler, SamplingParams
+from engine.serving.completion import OutputText, Renderer, parse_request
+from engine.serving.server import BackgroundServer, ServerConfig
 
 WINDOW = 4096  # a small context window keeps the too-long-prompt check cheap
 MAX_TOKENS = 6  # decoding dominates test time (~40 ms a token on 2 busy cores)

@@ -15,8 +15,8 @@ import pytest
 from helpers import QUESTIONS, fresh_greedy
 
 import engine
-import engine.sequence as sequence_module
-from engine.sampling import Sampler, SamplingParams
+import engine.runtime.sequence as sequence_module
+from engine.runtime.sampling import Sampler, SamplingParams
 
 MAX_TOKENS = 5
 

@@ -1,4 +1,4 @@
-"""engine.store: persistent sessions survive restarts, crashes and damage, and resume exactly."""
+"""engine.storage.store: persistent sessions survive restarts, crashes and damage, and resume exactly."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.session_log import read_log
-from engine.state_file import SNAPSHOTS_KEPT, read_header
-from engine.store import LOG, STATE, SessionBusy, SessionIdError, SessionStore, check_id
+from engine.storage.session_log import read_log
+from engine.storage.state_file import SNAPSHOTS_KEPT, read_header
+from engine.storage.store import LOG, STATE, SessionBusy, SessionIdError, SessionStore, check_id
 
 QUESTIONS = ["Hi! My order number is 48213.", "What is my order number?", "你好", "Thanks!"]
 SYSTEM = "You are a helpful assistant."
@@ -92,14 +92,14 @@ def test_background_save_is_on_disk_after_close_and_resumes_exactly(tiny, store,
 
 
 def test_a_failed_background_save_warns_and_loses_no_turn(tiny, store, saved, monkeypatch):
-    import engine.store
+    import engine.storage.store
 
     def disk_full(path, data):
         raise OSError(28, "No space left on device")
 
     with store.open("full", tiny, system=SYSTEM) as s:
         _turns(s, QUESTIONS[:2])
-        monkeypatch.setattr(engine.store, "atomic_write", disk_full)
+        monkeypatch.setattr(engine.storage.store, "atomic_write", disk_full)
         s.append_turn(s.session.send(QUESTIONS[2], max_tokens=MAX))
         assert s.save_state(background=True)  # returns at once; the write fails later
     monkeypatch.undo()
@@ -251,7 +251,7 @@ _CHILD = textwrap.dedent(
     """
     import os, sys, time
     import engine
-    from engine import store as st
+    from engine.storage import store as st
 
     eng = engine.load("tiny")
     s = st.SessionStore(sys.argv[1]).open("kill", eng, system="sys")
@@ -323,7 +323,7 @@ def test_a_failed_state_save_leaves_the_previous_state(tiny, store, saved, monke
 def test_bfloat16_arrays_round_trip_bit_exactly():
     import mlx.core as mx
 
-    from engine.state_file import _to_mlx, _to_numpy
+    from engine.storage.state_file import _to_mlx, _to_numpy
 
     a = mx.random.normal((2, 3, 5)).astype(mx.bfloat16)
     arr, view = _to_numpy(a)

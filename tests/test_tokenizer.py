@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from engine.tokenizer import StreamDecoder, Tokenizer, tokenizer_json
+from engine.checkpoints.tokenizer import StreamDecoder, Tokenizer, tokenizer_json
 
 FRAGMENTS = [
     "Hello, world!", "你好，世界", "今天天气很好。我们去公园散步吧！", "こんにちは、元気ですか", "한국어 텍스트",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from engine.sampling import Sampler, SamplingParams
+from engine.runtime.sampling import Sampler, SamplingParams
 from engine.turn import parse_tool_calls, split_reasoning
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-REGISTRY_PATH = Path(__file__).resolve().parent.parent / "models.yaml"
+REGISTRY_PATH = Path(__file__).resolve().parents[2] / "models.yaml"
 TEMPLATE_VARIANTS = ("qwen3.5-small", "qwen3.5", "qwen3.6")
 
 

@@ -17,8 +17,8 @@ import mlx.nn as nn
 
 from kernels import gated_delta as chunked_gated_delta
 
+from ..checkpoints.registry import Architecture
 from .cache import KVCache, RecurrentCache
-from .registry import Architecture
 
 
 @dataclass(frozen=True)

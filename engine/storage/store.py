@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from .paths import atomic_write, chatml_home
+from ..paths import atomic_write, chatml_home
 from .session_log import OPTIONS, SessionLog, encode_record, read_log
 from .state_file import (
     FORMAT,

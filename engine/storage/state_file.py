@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .cache import KVCache, RecurrentCache
-from .snapshot import Snapshot
+from ..runtime.cache import KVCache, RecurrentCache
+from ..runtime.snapshot import Snapshot
 
 FORMAT = "chatml-session"
 VERSION = 1

@@ -27,8 +27,8 @@ from renderer import (
     validate_exchange,
 )
 
-from .sampling import SamplingParams
-from .turn import ToolCall, parse_tool_calls, split_reasoning
+from ..runtime.sampling import SamplingParams
+from ..turn import ToolCall, parse_tool_calls, split_reasoning
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
 THINK_END = "</think>"

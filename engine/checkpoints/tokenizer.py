@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .paths import atomic_write, chatml_home
+from ..paths import atomic_write, chatml_home
 
 # Tokens shown as text (not control tokens): Qwen's tokenizer_config marks these special=False,
 # so `skip_special_tokens` keeps them.

@@ -9,8 +9,8 @@ import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..paths import chatml_home
 from . import registry
-from .paths import chatml_home
 from .registry import Architecture, ModelEntry
 from .tokenizer import Tokenizer
 
@@ -205,7 +205,7 @@ def load_weights(ckpt: Checkpoint, model, dtype, *, dequantize_quantized: bool) 
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from .model import sanitize
+    from ..runtime.model import sanitize
 
     weights = {}
     for f in _weight_files(ckpt.path):

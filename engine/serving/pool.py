@@ -13,9 +13,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from .cache import KVCache
-from .generate import eval_caches
-from .sequence import CachedSequence
+from ..runtime.cache import KVCache
+from ..runtime.generate import eval_caches
+from ..runtime.sequence import CachedSequence
 
 DEFAULT_SEQUENCES = 8
 

@@ -70,7 +70,7 @@ class CachedSequence:
         return self.live_bytes + sum(s.nbytes for s in self.snapshots.values())
 
     def load(self, tokens: list[int], caches: list, snapshots: dict) -> None:
-        """Adopt a saved state (engine/store.py): `caches` must hold exactly `tokens`."""
+        """Adopt a saved state (engine/storage/store.py): `caches` must hold exactly `tokens`."""
         with self.engine.foreground():
             self.tokens, self.caches, self.snapshots = list(tokens), caches, dict(snapshots)
             self.last_used = snapshot.tick()

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 from renderer import Prompt
 
+from ..checkpoints.tokenizer import StreamDecoder
+from ..runtime.sampling import Sampler
+from ..runtime.sequence import Progress
 from .completion import ApiError, ChatRequest, OutputText, Renderer
 from .pool import DEFAULT_SEQUENCES, PooledSequence, SequencePool
-from .sampling import Sampler
-from .sequence import Progress
-from .tokenizer import StreamDecoder
 
 log = logging.getLogger("chatml.server")
 

@@ -1,0 +1,27 @@
+"""argparse types shared by the `chatml` commands (chat, serve)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def number(minimum: float, maximum: float | None = None, kind=int) -> Callable[[str], float]:
+    """An argparse type: a `kind` in [minimum, maximum] (a usage error naming the flag if not)."""
+    what = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {text}")
+        return value
+
+    return parse
