@@ -13,7 +13,10 @@ mlx is first imported, and so that peak memory is per configuration:
 - ``mlx_lm``: mlx-lm's ``generate_step`` with this engine's fast BLAS loaded before mlx, but
   without importing the engine;
 - ``mlx_lm_stock``: mlx-lm as users get it: ``CHATML_BLAS=0``, no engine import (on Linux
-  the mlx-cpu wheel's reference BLAS).
+  the mlx-cpu wheel's reference BLAS);
+- ``chatml_sgemm``, ``mlx_lm_sgemm``: as ``chatml`` and ``mlx_lm`` but with ``CHATML_GEMV=0``,
+  so single-row matmuls go to OpenBLAS's sgemm instead of sgemv (the gain of
+  ``kernels.shim.gemv_dispatch``).
 
 Prefill time is the time to the first token's logits (mlx-lm: to the first token of
 ``generate_step``); decode is tokens/s over ``--decode`` greedy tokens after a 512-token
@@ -32,7 +35,7 @@ from pathlib import Path
 
 from bench.common import ROOT, child_env, write_json
 
-CONFIGS = ("chatml", "chatml_sequential", "mlx_lm", "mlx_lm_stock")
+CONFIGS = ("chatml", "chatml_sequential", "chatml_sgemm", "mlx_lm", "mlx_lm_sgemm", "mlx_lm_stock")
 DECODE_PROMPT = 512
 
 
@@ -47,15 +50,18 @@ def child(config: str, path: str, ts: list[int], decode_n: int, repeats: int) ->
     """Measure `config` in this interpreter (its CHATML_BLAS was set by the parent)."""
     if config.startswith("chatml"):
         import engine  # noqa: F401  (loads the fast BLAS before mlx)
-    elif config == "mlx_lm":
+    elif config.startswith("mlx_lm") and config != "mlx_lm_stock":
         from kernels import blas
 
         blas.enable()
     import mlx.core as mx
 
-    out: dict = {"config": config, "mlx": mx.__version__, "prefill": {}, "decode": None}
+    from kernels import blas
+
+    out: dict = {"config": config, "mlx": mx.__version__, "prefill": {}, "decode": None,
+                 "gemv": blas.info().fast and blas.gemv_enabled()}  # fmt: skip
     if config.startswith("chatml"):
-        run_prefill, run_decode, blas_name = _chatml(path, config == "chatml")
+        run_prefill, run_decode, blas_name = _chatml(path, config != "chatml_sequential")
     else:
         run_prefill, run_decode, blas_name = _mlx_lm(path)
     out["blas"] = blas_name
@@ -142,6 +148,7 @@ def _mlx_lm(path: str):
 
 def run_child(config: str, path: Path, ts: list[int], decode_n: int, repeats: int) -> dict:
     env = child_env("0" if config == "mlx_lm_stock" else "1")
+    env["CHATML_GEMV"] = "0" if config.endswith("_sgemm") else "1"
     cmd = [sys.executable, "-m", "bench.throughput", "--child", config, "--model", str(path),
            "--ts", ",".join(map(str, ts)), "--decode", str(decode_n), "--repeats", str(repeats)]  # fmt: skip
     res = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True)

@@ -10,6 +10,11 @@ shared object is written in memory (``kernels.shim``) that exports the plain nam
 
 ``CHATML_BLAS``: unset/"1"/"auto" = this; "0"/"off" = keep the reference BLAS; a path to a
 shared library = use that one (plain ``cblas_sgemm`` or ``scipy_``-prefixed exports).
+
+The shim's ``cblas_sgemm`` also sends single-row products (``M == 1``, every matmul of a
+decode step) to ``sgemv``, which OpenBLAS streams the weights through several times faster
+than ``sgemm`` with one row (``kernels.shim.gemv_dispatch``). ``CHATML_GEMV=0`` turns that off
+(benchmarks measure both).
 This module never imports mlx at import time; ``enable()`` must run before ``import mlx.core``.
 """
 
@@ -100,13 +105,23 @@ def _load(path: str, provider: str) -> BlasInfo:
     if not hasattr(lib, "cblas_sgemm"):
         if not hasattr(lib, _PREFIX + "cblas_sgemm"):
             raise OSError(f"{path} exports neither cblas_sgemm nor {_PREFIX}cblas_sgemm")
-        from kernels.shim import forwarding_library
+        from kernels.shim import forwarding_library, gemv_dispatch
 
         names = [n for n in _CBLAS if hasattr(lib, _PREFIX + n)]
+        forwards = {n: _PREFIX + n for n in names}
+        routines = {}
+        if gemv_enabled() and hasattr(lib, _PREFIX + "cblas_sgemv"):
+            del forwards["cblas_sgemm"]
+            routines["cblas_sgemm"] = gemv_dispatch(_PREFIX + "cblas_sgemm", _PREFIX + "cblas_sgemv")
         soname = Path(path).name
-        shim = forwarding_library({n: _PREFIX + n for n in names}, "libchatml_cblas.so", [soname])
+        shim = forwarding_library(forwards, "libchatml_cblas.so", [soname], routines)
         _handles.append(_dlopen_bytes(shim, "libchatml_cblas.so"))
     return BlasInfo(library=path, provider=provider)
+
+
+def gemv_enabled() -> bool:
+    """Whether single-row float32 products go to sgemv (``CHATML_GEMV=0`` turns it off)."""
+    return os.environ.get("CHATML_GEMV", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def enable() -> BlasInfo:
