@@ -1,0 +1,133 @@
+"""Where a decode step's time goes: the per-token cost broken into its parts.
+
+Run: ``chatml bench profile --model qwen3.5-0.8b [--depth 512] [--json FILE]``.
+
+One decode step of the engine's model (batch 1, one token, after a ``--depth``-token prompt) is
+timed whole, then each kind of work in it is timed alone with the same shapes, evaluated the
+same way (one ``mx.eval`` per step):
+
+- ``build``: Python building the step's graph (the model call, no evaluation);
+- ``matvec``: every projection of every layer (``x @ W.T`` with one row);
+- ``lm_head``: the output projection over the vocabulary;
+- ``delta``: the Gated DeltaNet recurrence of every linear-attention layer (one token);
+- ``attention``: scaled dot-product attention of every full-attention layer at this depth;
+- ``sample``: greedy sampling (argmax over the vocabulary);
+- ``rest``: what the step costs beyond the parts (norms, the conv, gates, cache writes,
+  scheduling): step + sample - the parts.
+
+The weights are read once per token, so ``matvec + lm_head`` against the bytes they read gives
+the achieved bandwidth. Each figure is the median of ``--repeats`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from bench.common import conditions, model_path, write_json
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def profile(model: str, depth: int, repeats: int) -> dict:
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    import engine
+    from engine.runtime.generate import prefill
+
+    eng = engine.load(str(model_path(model)))
+    net = eng.model
+    a = net.arch
+    caches = net.make_caches()
+    prefill(net, caches, list(range(1000, 1000 + depth)), 0)
+    token = mx.array([[1234]])
+
+    def step(evaluate: bool = True):
+        saved = [c.snapshot() for c in caches]
+        out = mx.argmax(net(token, caches)[0, -1])
+        if evaluate:
+            mx.eval(out)
+        for c, s in zip(caches, saved):
+            c.restore(s)  # the next run decodes at the same depth
+
+    out: dict = {"depth": depth}
+    out["step"] = _median_ms(step, repeats)
+    out["build"] = _median_ms(lambda: step(evaluate=False), repeats)
+
+    x = mx.random.normal((1, 1, a.hidden_size))
+    linears = [m for layer in net.layers for _, m in layer.named_modules()
+               if isinstance(m, nn.Linear)]  # fmt: skip
+    inputs = [mx.random.normal((1, 1, m.weight.shape[1])) for m in linears]
+    mx.eval(x, inputs)
+    out["matvec"] = _median_ms(lambda: mx.eval([m(v) for m, v in zip(linears, inputs)]), repeats)
+    out["lm_head"] = _median_ms(lambda: mx.eval(net.logits(x)), repeats)
+    matvec_bytes = sum(m.weight.nbytes for m in linears)
+    head = net.embed_tokens.weight if a.tie_word_embeddings else net.lm_head.weight
+    out["weight_bytes"] = matvec_bytes + head.nbytes
+
+    n_linear = a.layer_types.count("linear_attention")
+    n_full = len(a.layer_types) - n_linear
+    hk, hv, dk, dv = (a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim,
+                      a.linear_value_head_dim)  # fmt: skip
+    q = mx.random.normal((1, 1, hk, dk))
+    v = mx.random.normal((1, 1, hv, dv))
+    g, beta = mx.full((1, 1, hv), 0.9), mx.full((1, 1, hv), 0.5)
+    states = [mx.random.normal((1, hv, dv, dk)) for _ in range(n_linear)]
+    mx.eval(q, v, g, beta, states)
+    out["delta"] = _median_ms(
+        lambda: mx.eval([mx.fast.gated_delta_update(q, q, v, g, beta, s) for s in states]),
+        repeats,
+    )
+    qa = mx.random.normal((1, a.num_attention_heads, 1, a.head_dim))
+    kv = [mx.random.normal((1, a.num_key_value_heads, depth + 1, a.head_dim))
+          for _ in range(n_full)]  # fmt: skip
+    mx.eval(qa, kv)
+    out["attention"] = _median_ms(
+        lambda: mx.eval([mx.fast.scaled_dot_product_attention(qa, k, k, scale=1.0) for k in kv]),
+        repeats,
+    )
+    logits = mx.random.normal((a.vocab_size,))
+    mx.eval(logits)
+    out["sample"] = _median_ms(lambda: mx.eval(mx.argmax(logits)), repeats)
+    parts = ("build", "matvec", "lm_head", "delta", "attention", "sample")
+    out["rest"] = out["step"] - sum(out[p] for p in parts)
+    out["gb_per_s"] = out["weight_bytes"] / ((out["matvec"] + out["lm_head"]) * 1e-3) / 1e9
+    out["tokens_per_s"] = 1e3 / out["step"]
+    return out
+
+
+def print_table(r: dict) -> None:
+    print(f"decode step at depth {r['depth']}: {r['step']:.1f} ms ({r['tokens_per_s']:.1f} tok/s)")
+    for part in ("build", "matvec", "lm_head", "delta", "attention", "sample", "rest"):
+        print(f"  {part:<10}{r[part]:>8.2f} ms {100 * r[part] / r['step']:>5.0f}%")
+    print(f"  weights {r['weight_bytes'] / 2**30:.2f} GiB read at {r['gb_per_s']:.1f} GB/s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny", help="registry name or checkpoint folder")
+    ap.add_argument("--depth", type=int, default=512, help="prompt tokens before the step")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    r = profile(a.model, a.depth, a.repeats)
+    result = {"conditions": conditions(model=a.model, dtype="float32"), "profile": r}
+    print_table(r)
+    print(json.dumps({"bench": "profile", **result}))
+    write_json(a.json, result)
+
+
+if __name__ == "__main__":
+    main()
