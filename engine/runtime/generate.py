@@ -1,8 +1,9 @@
 """The generation loop shared by the Python API, the CLI, the server and the benchmarks.
 
-`prefill` feeds prompt ids through the model in chunks (evaluating the caches after each, so
-memory stays bounded and work can stop at a chunk boundary) and computes logits only for the
-last position. `decode` samples one token at a time until a stop token or the length limit.
+Both run on `step.forward`. `prefill` feeds prompt ids through the model in chunks (evaluating
+the caches after each, so memory stays bounded and work can stop at a chunk boundary) and
+computes logits only for the last position. `decode` samples one token at a time until a stop
+token or the length limit.
 """
 
 from __future__ import annotations
@@ -11,23 +12,18 @@ from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from .cache import RecurrentCache
 from .model import Qwen35
 from .sampling import Sampler
+from .step import Row, forward, rollback
 
 PREFILL_CHUNK = 512
 
 
-def eval_caches(caches: list) -> None:
-    arrays = []
-    for c in caches:
-        for a in (getattr(c, "keys", None), getattr(c, "values", None),
-                  getattr(c, "conv", None), getattr(c, "state", None)):  # fmt: skip
-            if isinstance(a, mx.array):
-                arrays.append(a)
-        for recorded in getattr(c, "captured", {}).values():
-            arrays.extend(recorded)
-    mx.eval(arrays)
+def eval_caches(caches: list, *extra) -> None:
+    """Evaluate the caches' arrays (and `extra` arrays or nested lists of them) now."""
+    arrays = [a for c in caches for a in (getattr(c, "keys", None), getattr(c, "values", None),
+              getattr(c, "conv", None), getattr(c, "state", None)) if isinstance(a, mx.array)]  # fmt: skip
+    mx.eval(arrays, *extra)
 
 
 def chunk_ends(start: int, end: int, chunk: int = PREFILL_CHUNK) -> list[int]:
@@ -42,41 +38,35 @@ def prefill(
     start: int,
     *,
     stops: Sequence[int] = (),
-    on_stop: Callable[[int], None] | None = None,
+    on_stop: Callable[[int, list | None], None] | None = None,
     logits: bool = True,
     cancelled: Callable[[], bool] | None = None,
     chunk: int = PREFILL_CHUNK,
 ) -> tuple[mx.array | None, int]:
-    """Feed `ids[start:]`; call `on_stop(pos)` after reaching each position in `stops`.
+    """Feed `ids[start:]`; call `on_stop(pos, layers)` after reaching each position in `stops`.
 
-    `cancelled()` is checked before each chunk: background work stops at a chunk boundary,
-    with the caches consistent at the position reached. Returns the logits `[V]` of the last
-    position (None if `logits` is False or the work was cancelled) and that position.
+    `layers` is the per-layer state kept at `pos` inside a chunk (None: `pos` is the chunk's
+    end, the live state). `cancelled()` is checked before each chunk: background work stops
+    at a chunk boundary, with the caches consistent at the position reached. Returns the
+    logits `[V]` of the last position (None if `logits` is False or the work was cancelled)
+    and that position.
     """
     pos = start
-    recurrent = [c for c in caches if isinstance(c, RecurrentCache)]
     out = None
     for end in chunk_ends(start, len(ids), chunk):
         if cancelled is not None and cancelled():
             return None, pos
         inside = sorted(s for s in stops if pos < s <= end)
-        try:
-            for c in recurrent:  # record the states at the stops inside this chunk
-                c.capture = [s - pos for s in inside if s < end]
-            x = mx.array([ids[pos:end]])
-            if end == len(ids) and logits:
-                out = model(x, caches, last_only=True)[0, -1]
-                mx.eval(out)
-            else:
-                model.hidden(x, caches)  # no logits for positions nobody reads
-            eval_caches(caches)
-            pos = end
-            if on_stop is not None:
-                for s in inside:
-                    on_stop(s)
-        finally:
-            for c in recurrent:
-                c.capture, c.captured = [], {}
+        last = end == len(ids) and logits
+        row = Row(caches, ids[pos:end], logits=int(last), keep=[s - pos for s in inside])
+        ((step_logits, mark),) = forward(model, [row])
+        if last:
+            out = step_logits[-1]
+        eval_caches(caches, list(mark.kept.values()), [] if out is None else out)
+        pos = end
+        if on_stop is not None:
+            for s in inside:
+                on_stop(s, mark.kept.get(s))
     return out, pos
 
 
@@ -94,44 +84,44 @@ def decode(
 
     The stop token is yielded (so callers can see why it ended) but never fed, and a token at
     which the consumer stops reading is not fed either. `history` (the prompt ids) is extended
-    in place with the generated tokens, for the repetition penalty.
+    in place with the generated tokens, which the sampler's processors read; every token read
+    is passed to `sampler.accept`, if it has one (stateful processors advance by it).
 
-    Pipelined as mlx-lm's loop is: the next step's graph is built on the sampled token while it
-    is still being computed, and queued before the token is read, so building a step (a few ms
-    of Python per token) overlaps the previous step's compute. When that token turns out to end
-    the answer, the step is undone (the KV offsets and recurrent arrays it replaced are put
-    back; MLX arrays are immutable, so keeping them costs nothing). The first token is read
-    before anything is queued behind it: it is the time to first token. A sampler that reads
-    the token history (the repetition penalty) runs one step at a time.
+    Pipelined as mlx-lm's loop is: the next step is built on the sampled token while it is
+    still being computed, and queued before the token is read, so building a step (a few ms of
+    Python per token) overlaps the previous step's compute. When that token turns out to end
+    the answer, the step is rolled back to its start (`step.rollback`). The first token is read
+    before anything is queued behind it: it is the time to first token. A sampler whose pick
+    depends on the tokens read on the host (`reads_history`: a repetition penalty, a grammar)
+    runs one step at a time.
     """
     ahead = not getattr(sampler, "reads_history", True)
+    accept = getattr(sampler, "accept", None)
     y = sampler(logits, history)
     for i in range(max_tokens):
         last = i == max_tokens - 1
-        undo = None
+        mark = None
         if ahead and 0 < i and not last:
-            undo = [c.snapshot() for c in caches]
-            next_y = sampler(model(y.reshape(1, 1), caches)[0, -1], history)
+            ((step_logits, mark),) = forward(model, [Row(caches, y.reshape(1))])
+            next_y = sampler(step_logits[-1], history)
             mx.async_eval(next_y)
         token = y.item()
         history.append(token)
+        if accept is not None:
+            accept((token,))
         try:
             yield token
         except GeneratorExit:  # the consumer stopped at this token: it was not fed
-            _undo(caches, undo)
+            if mark is not None:
+                rollback(caches, mark, mark.start)
             raise
         if token in stop_ids or last:
-            _undo(caches, undo)
+            if mark is not None:
+                rollback(caches, mark, mark.start)
             return
-        if undo is None:
-            y = sampler(model(mx.array([[token]]), caches)[0, -1], history)
+        if mark is None:
+            ((step_logits, _),) = forward(model, [Row(caches, (token,))])
+            y = sampler(step_logits[-1], history)
             mx.async_eval(y)
         else:
             y = next_y
-
-
-def _undo(caches: list, saved: list | None) -> None:
-    """Put back the caches' state from before a step fed ahead of time (None: none was)."""
-    if saved is not None:
-        for c, state in zip(caches, saved, strict=True):
-            c.restore(state)

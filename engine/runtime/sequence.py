@@ -223,8 +223,8 @@ class CachedSequence:
     def _live(self) -> snapshot.Snapshot | None:
         return snapshot.take(self.caches, len(self.tokens)) if self.tokens else None
 
-    def _snapshot(self, pos: int) -> None:
-        self.snapshots[pos] = snapshot.take(self.caches, pos)
+    def _snapshot(self, pos: int, layers: list | None = None) -> None:
+        self.snapshots[pos] = snapshot.take(self.caches, pos, layers)
         self.engine.budget.enforce(active=self)
 
     def _restore(self, ids: list[int], need_logits: bool = True) -> int:

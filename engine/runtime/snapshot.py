@@ -33,15 +33,13 @@ class Snapshot:
         self.last_used = tick()
 
 
-def take(caches: list, pos: int) -> Snapshot:
-    layers, nbytes = [], 0
-    for c in caches:
-        if isinstance(c, RecurrentCache):
-            layer = c.snapshot(pos)  # the live state, or one recorded inside the last chunk
-            layers.append(layer)
-            nbytes += sum(a.nbytes for a in layer[:2] if a is not None)
-        else:
-            layers.append(None)
+def take(caches: list, pos: int, layers: list | None = None) -> Snapshot:
+    """A snapshot at `pos`: the live state, or `layers` (per layer: a recurrent state kept by
+    the step that passed `pos`, None for KV layers)."""
+    if layers is None:
+        layers = [c.snapshot() if isinstance(c, RecurrentCache) else None for c in caches]
+    nbytes = sum(a.nbytes for layer in layers if layer is not None for a in layer[:2]
+                 if a is not None)  # fmt: skip
     return Snapshot(pos, layers, nbytes)
 
 

@@ -1,0 +1,106 @@
+"""One step of the model over rows: the mechanism every decoding feature plugs into.
+
+A row is one sequence's share of a step: its caches and the tokens scheduled for it (1 to
+decode, k+1 to verify a draft, a chunk to prefill). `forward` feeds every row's tokens in one
+pass and returns, per row, the logits at the trailing positions the row asked for and a `Mark`:
+what `rollback` needs to bring the row's caches back to the step's start or to any position
+the row asked to keep. The attention KV cache rolls back by moving its offset; the Gated
+DeltaNet conv tail and state cannot be rewound, so the step records them where asked (inside
+one pass: the layer splits only its recurrence there). `accepted` is the acceptance rule: how
+many proposed tokens stand.
+
+Today a step runs its rows one after another at batch 1; batching stacks them into one pass
+here, and sharding wraps this function alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .cache import RecurrentCache
+
+
+@dataclass
+class Row:
+    """One sequence's share of a step."""
+
+    caches: list
+    tokens: Sequence[int] | mx.array  # [n] ids to feed (an array may still be lazy)
+    logits: int = 1  # trailing positions whose logits the row wants (0: none)
+    keep: Iterable[int] = ()  # positions inside the step (relative, 0 < p < n) to keep states at
+
+
+@dataclass
+class Mark:
+    """Where a row's caches were before a step, and the states kept inside it."""
+
+    start: int
+    end: int
+    before: list  # per layer: cache.snapshot() before the step (KV: an offset)
+    kept: dict[int, list] = field(default_factory=dict)  # absolute position -> per layer
+
+
+def forward(model, rows: list[Row]) -> list[tuple[mx.array | None, Mark]]:
+    """Run one step for `rows`; per row, (logits `[logits, V]` or None, its Mark).
+
+    Logits are lazy: the caller evaluates them with whatever it builds on top (sampling), so
+    the step and its pick are one graph.
+    """
+    out = []
+    for row in rows:
+        ids = row.tokens if isinstance(row.tokens, mx.array) else mx.array(row.tokens)
+        n = ids.shape[0]
+        start = row.caches[0].offset
+        mark = Mark(start, start + n, [c.snapshot() for c in row.caches])
+        recurrent = [c for c in row.caches if isinstance(c, RecurrentCache)]
+        keep = sorted(p for p in row.keep if 0 < p < n)
+        for c in recurrent:
+            c.capture = keep
+        try:
+            if row.logits:
+                h = model.hidden(ids[None], row.caches)
+                logits = model.logits(h[:, -row.logits :])[0]
+            else:
+                model.hidden(ids[None], row.caches)
+                logits = None
+            for p in keep:
+                mark.kept[start + p] = [
+                    c.snapshot(start + p) if isinstance(c, RecurrentCache) else None
+                    for c in row.caches
+                ]
+        finally:
+            for c in recurrent:
+                c.capture, c.captured = [], {}
+        out.append((logits, mark))
+    return out
+
+
+def rollback(caches: list, mark: Mark, pos: int) -> None:
+    """Bring `caches` back to `pos`: the mark's start, a position it kept, or its end (a no-op)."""
+    if pos == mark.end:
+        return
+    if pos == mark.start:
+        for c, state in zip(caches, mark.before, strict=True):
+            c.restore(state)
+        return
+    if pos not in mark.kept:
+        raise ValueError(f"the step kept no state at {pos} (kept: {sorted(mark.kept)})")
+    for c, state in zip(caches, mark.kept[pos], strict=True):
+        c.restore(pos if state is None else state)  # KV layers: trim to pos
+
+
+def accepted(proposed: Sequence[int], picked: Sequence[int], stop_ids: Iterable[int] = ()) -> int:
+    """How many of `proposed` stand: the longest prefix the model agrees with (`picked[i]` is
+    the model's token where `proposed[i]` stands), cut after the first stop token."""
+    stops = set(stop_ids)
+    n = 0
+    for want, got in zip(proposed, picked):
+        if want != got:
+            break
+        n += 1
+        if want in stops:
+            break
+    return n
