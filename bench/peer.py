@@ -1,0 +1,149 @@
+"""Side by side with llama.cpp on the same checkpoint: prefill and decode tokens/s.
+
+Run: ``chatml bench peer --model qwen3.5-0.8b [--formats f32,q8_0,q4_k_m] [--threads 2]
+[--repeats 2] [--json FILE]``. Not part of CI: the first run builds llama.cpp (~15 minutes on
+2 cores).
+
+llama.cpp comes from PyPI, as source: the ``llama-cpp-python`` sdist vendors a llama.cpp tree
+with ``convert_hf_to_gguf.py``, ``llama-bench`` and ``llama-quantize``. It is built once under
+``CHATML_HOME/peer`` (CMake + Ninja, ``GGML_NATIVE=ON``, no curl), the checkpoint is converted
+to GGUF (``--no-mtp``: our random-weight builds carry no MTP head) in each format asked for,
+and then ``llama-bench -p 512 -n 64`` and this engine's throughput bench (the ``chatml``
+configuration of ``bench.throughput``: prefill of a 512-token prompt, 64 decoded tokens) run
+interleaved, ``--repeats`` times each, the best kept. The engine computes in float32, so it is
+compared with llama.cpp's F32 file; the other formats show what a llama.cpp user would pick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from bench.common import ROOT, child_env, conditions, model_path, write_json
+
+LLAMA_CPP_PYTHON = "0.3.36"  # its vendored llama.cpp is the peer (commit in its vendor tree)
+TARGETS = ("llama-bench", "llama-server", "llama-quantize")
+PROMPT, DECODE = 512, 64
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    print("+ " + " ".join(map(str, cmd)), file=sys.stderr, flush=True)
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def llama_cpp(work: Path, jobs: int) -> Path:
+    """The llama.cpp source tree and its build under `work` (downloaded and built once)."""
+    src = work / "llama.cpp"
+    if not (src / "CMakeLists.txt").exists():
+        work.mkdir(parents=True, exist_ok=True)
+        sdist = work / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+        if not sdist.exists():
+            _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary",
+                  ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(work)])  # fmt: skip
+        prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+            for m in members:
+                m.name = m.name[len(prefix) :]
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(src, members=[m for m in members if m.name], **safe)
+    build = work / "build"
+    if not all((build / "bin" / t).exists() for t in TARGETS):
+        _run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja",
+              "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+              "-DBUILD_SHARED_LIBS=OFF"], stdout=subprocess.DEVNULL)  # fmt: skip
+        _run(["ninja", "-C", str(build), f"-j{jobs}", *TARGETS])
+    return src
+
+
+def gguf(src: Path, work: Path, ckpt: Path, fmt: str) -> Path:
+    """The checkpoint as a GGUF file in `fmt` (f32, or a llama-quantize type such as q8_0)."""
+    out = work / "gguf" / f"{ckpt.name}-{fmt}.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    f32 = work / "gguf" / f"{ckpt.name}-f32.gguf"
+    if not f32.exists():
+        env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"))
+        _run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(ckpt), "--no-mtp",
+              "--outtype", "f32", "--outfile", str(f32)], env=env, stdout=subprocess.DEVNULL)  # fmt: skip
+    if fmt != "f32":
+        _run([str(work / "build" / "bin" / "llama-quantize"), str(f32), str(out), fmt.upper()],
+             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    return out
+
+
+def llama_bench(work: Path, path: Path, threads: int) -> dict:
+    res = _run([str(work / "build" / "bin" / "llama-bench"), "-m", str(path), "-p", str(PROMPT),
+                "-n", str(DECODE), "-t", str(threads), "-o", "json"],
+               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    rows = json.loads(res.stdout)
+    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] and not r["n_gen"])
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] and not r["n_prompt"])
+    return {"prefill_tps": pp, "decode_tps": tg}
+
+
+def chatml(ckpt: Path, threads: int) -> dict:
+    env = child_env("1")
+    env["OPENBLAS_NUM_THREADS"] = str(threads)
+    cmd = [sys.executable, "-m", "bench.throughput", "--child", "chatml", "--model", str(ckpt),
+           "--ts", str(PROMPT), "--decode", str(DECODE), "--repeats", "1"]  # fmt: skip
+    res = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True)
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    return {"prefill_tps": r["prefill"][str(PROMPT)]["tokens_per_s"],
+            "decode_tps": r["decode"]["tokens_per_s"], "peak_rss_bytes": r["peak_rss_bytes"]}  # fmt: skip
+
+
+def _best(runs: list[dict]) -> dict:
+    return {k: max(r[k] for r in runs) for k in ("prefill_tps", "decode_tps")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen3.5-0.8b", help="registry name or checkpoint folder")
+    ap.add_argument("--formats", default="f32,q8_0,q4_k_m", help="GGUF formats for llama.cpp")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="build parallelism")
+    ap.add_argument("--work", help="build folder (default: CHATML_HOME/peer)")
+    ap.add_argument("--prepare-only", action="store_true", help="build and convert, no timing")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+
+    import engine  # noqa: F401  (the fast BLAS, before mlx; conditions() reports it)
+    from engine.paths import chatml_home
+
+    work = Path(a.work).expanduser() if a.work else chatml_home() / "peer"
+    src = llama_cpp(work, a.jobs)
+    ckpt = model_path(a.model)
+    files = {fmt: gguf(src, work, ckpt, fmt) for fmt in a.formats.split(",") if fmt}
+    if a.prepare_only:
+        return
+    runs: dict[str, list[dict]] = {"chatml f32": []} | {f"llama.cpp {f}": [] for f in files}
+    for _ in range(a.repeats):  # interleaved, so both see the same machine
+        runs["chatml f32"].append(chatml(ckpt, a.threads))
+        for fmt, path in files.items():
+            runs[f"llama.cpp {fmt}"].append(llama_bench(work, path, a.threads))
+    best = {name: _best(r) for name, r in runs.items()}
+    ref = best.get("llama.cpp f32")
+    print(f"{'engine':<20}{'prefill 512':>14}{'decode':>10}{'vs llama.cpp f32':>22}")
+    for name, r in best.items():
+        ratio = (f"{r['prefill_tps'] / ref['prefill_tps']:.2f}x / "
+                 f"{r['decode_tps'] / ref['decode_tps']:.2f}x") if ref else "-"  # fmt: skip
+        print(f"{name:<20}{r['prefill_tps']:>14.1f}{r['decode_tps']:>10.2f}{ratio:>22}")
+    result = {
+        "conditions": conditions(model=a.model, checkpoint=str(ckpt), threads=a.threads,
+                                 llama_cpp_python=LLAMA_CPP_PYTHON, prompt=PROMPT, decode=DECODE),
+        "best": best, "runs": runs,
+    }  # fmt: skip
+    print(json.dumps({"bench": "peer", **result}))
+    write_json(a.json, result)
+
+
+if __name__ == "__main__":
+    main()
