@@ -132,7 +132,7 @@ def test_the_chain_runs_in_order_and_sees_every_token_that_stood(tiny, reads_his
     assert first.accepted == tokens == second.accepted
 
     raw = mx.random.normal((vocab,))
-    lp = np.array(sampler.logprobs(raw, []))
+    lp = np.array(sampler.logprobs(sampler.process(raw, [])))
     processed = np.array(raw) + np.array(ban)
     want = (
         processed
@@ -151,3 +151,61 @@ def test_decoding_through_the_step_equals_a_fresh_prefill_of_each_prefix(tiny):
     for i, token in enumerate(tokens):
         logits, _ = prefill(model, model.make_caches(), PROMPT + tokens[:i], 0)
         assert int(np.argmax(np.array(logits))) == token
+
+
+def _penalized_reference(logits, prompt, answer, p: SamplingParams) -> np.ndarray:
+    """Penalties by their definitions, in float64 over host lists."""
+    out = np.array(logits, dtype=np.float64)
+    if p.repetition_penalty != 1.0:
+        for t in set((prompt + answer)[-p.repetition_window :]):
+            out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+    for t in set(answer):
+        out[t] -= p.presence_penalty + p.frequency_penalty * answer.count(t)
+    return out
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(repetition_penalty=1.8, repetition_window=5),
+     SamplingParams(presence_penalty=1.5, frequency_penalty=0.7),
+     SamplingParams(repetition_penalty=0.7, repetition_window=3, presence_penalty=-0.5,
+                    frequency_penalty=2.0)],
+)  # fmt: skip
+def test_penalties_match_their_definitions_step_by_step(params):
+    rng = np.random.default_rng(0)
+    vocab, prompt, answer = 12, [3, 5, 5, 7, 1, 2], []
+    sampler = Sampler(params)
+    for _ in range(15):
+        logits = rng.standard_normal(vocab).astype(np.float32) * 3
+        logits[answer[-1] if answer else 0] += 4  # keep repeats likely, so penalties matter
+        token, processed = sampler.sample(mx.array(logits), prompt + answer)
+        want = _penalized_reference(logits, prompt, answer, params)
+        np.testing.assert_allclose(np.array(processed), want, atol=1e-5)
+        assert token.item() == int(np.argmax(want))
+        answer.append(token.item())
+    assert len(set(answer)) > 1
+
+
+class HostBound(LogitsProcessor):
+    reads_history = True  # forces decoding one step at a time
+
+    def __call__(self, logits, history):
+        return logits
+
+
+def test_penalties_run_ahead_and_equal_step_by_step_decoding(tiny):
+    # Negative presence/frequency favour what was said: the answer changes for sure.
+    params = SamplingParams(repetition_penalty=1.3, presence_penalty=-2.0, frequency_penalty=-2.0)
+    assert not Sampler(params).reads_history  # device-side state: decoding runs ahead
+
+    def run(extra):
+        sampler = Sampler(params)
+        sampler.processors += extra
+        caches = tiny.model.make_caches()
+        logits, _ = prefill(tiny.model, caches, PROMPT, 0)
+        return list(decode(tiny.model, caches, logits, sampler, max_tokens=12, stop_ids=(),
+                           history=list(PROMPT)))  # fmt: skip
+
+    ahead, stepwise = run([]), run([HostBound()])
+    assert ahead == stepwise
+    assert ahead != _greedy(tiny.model, PROMPT, 12)  # the penalties changed the answer

@@ -1,11 +1,15 @@
 """Token sampling: a chain of logits processors, then the pick.
 
-A row's chain runs in one fixed order: the penalties (repetition), then the grammar mask
-(constrained decoding), then the pick (greedy, or temperature with top-k, top-p, min-p and a
-seeded key). Log-probabilities are read from the same processed logits, before temperature.
-A processor that needs the tokens read on the host (a penalty over the history, a grammar
-matcher that advances by accepted tokens) says so with `reads_history`: decoding cannot run a
-step ahead of it (see `generate.decode`).
+A row's chain runs in one fixed order: the penalties (repetition, then presence and
+frequency), then the grammar mask (constrained decoding), then the pick (greedy, or
+temperature with top-k, top-p, min-p and a seeded key). Log-probabilities are read from the
+same processed logits, before temperature.
+
+Processors keep their state on the device where they can: the penalties count tokens in MLX
+arrays that each pick updates lazily (`advance`), so decoding still runs a step ahead of the
+host with them. A processor that needs the tokens read on the host (a grammar matcher that
+advances by accepted tokens) says so with `reads_history`: decoding then runs one step at a
+time (see `generate.decode`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     repetition_window: int = 64  # how many recent tokens the penalty looks at
     seed: int | None = None
+    presence_penalty: float = 0.0  # OpenAI's: once per token already in the answer
+    frequency_penalty: float = 0.0  # OpenAI's: times the token's count in the answer
 
     def __post_init__(self):
         problems = []
@@ -41,37 +47,80 @@ class SamplingParams:
             problems.append(
                 f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                problems.append(f"{name} must be between -2 and 2, got {getattr(self, name)}")
         if problems:
             raise ValueError("; ".join(problems))
 
 
 class LogitsProcessor:
-    """One link of the chain: float32 logits `[V]` in, processed logits `[V]` out."""
+    """One link of the chain: float32 logits `[V]` in, processed logits `[V]` out.
 
-    reads_history = False  # True: needs the tokens read so far on the host
+    `advance(token)` gets every pick, as a (maybe still lazy) scalar array, before the next
+    call: state kept in MLX arrays follows the answer without waiting for the host.
+    `accept(tokens)` gets the tokens read on the host; a processor that needs them before the
+    next pick sets `reads_history`.
+    """
+
+    reads_history = False
 
     def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
         raise NotImplementedError
 
+    def advance(self, token: mx.array) -> None:
+        """The last pick (device side)."""
+
     def accept(self, tokens: Sequence[int]) -> None:
-        """Tokens that stood (stateful processors, e.g. a grammar matcher, advance here)."""
+        """Tokens that stood, read on the host (a grammar matcher advances here)."""
 
 
 class RepetitionPenalty(LogitsProcessor):
-    """Divide positive (multiply negative) logits of the last `window` tokens by `penalty`."""
+    """Divide positive (multiply negative) logits of the last `window` tokens by `penalty`.
 
-    reads_history = True
+    The window (prompt included) is a device-side ring of token ids, seeded from the history
+    at the first call and pushed by each pick.
+    """
 
     def __init__(self, penalty: float, window: int):
         self.penalty, self.window = penalty, window
+        self.recent: mx.array | None = None  # [window] ids; -1 marks an empty slot
 
     def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
-        if not history:
-            return logits
-        idx = mx.array(list(set(history[-self.window :])))
-        picked = logits[idx]
-        logits[idx] = mx.where(picked > 0, picked / self.penalty, picked * self.penalty)
-        return logits
+        if self.recent is None:
+            tail = list(history[-self.window :])
+            self.recent = mx.array([-1] * (self.window - len(tail)) + tail, dtype=mx.int32)
+        seen = (
+            mx.zeros(logits.shape, dtype=mx.float32)
+            .at[mx.maximum(self.recent, 0)]
+            .add((self.recent >= 0).astype(mx.float32))
+        )
+        penalized = mx.where(logits > 0, logits / self.penalty, logits * self.penalty)
+        return mx.where(seen > 0, penalized, logits)
+
+    def advance(self, token: mx.array) -> None:
+        if self.recent is not None:
+            self.recent = mx.concatenate([self.recent[1:], token.reshape(1).astype(mx.int32)])
+
+
+class PresenceFrequencyPenalty(LogitsProcessor):
+    """OpenAI's penalties over the answer so far (not the prompt): a token's logit drops by
+    `presence` once it has appeared and by `frequency` times its count. The counts live on
+    the device, pushed by each pick."""
+
+    def __init__(self, presence: float, frequency: float):
+        self.presence, self.frequency = presence, frequency
+        self.counts: mx.array | None = None  # [V] float32
+
+    def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
+        if self.counts is None:
+            self.counts = mx.zeros(logits.shape, dtype=mx.float32)
+        c = self.counts
+        return logits - self.frequency * c - self.presence * (c > 0).astype(mx.float32)
+
+    def advance(self, token: mx.array) -> None:
+        if self.counts is not None:
+            self.counts = self.counts.at[token.reshape(1)].add(1.0)
 
 
 def processors_for(params: SamplingParams) -> list[LogitsProcessor]:
@@ -79,6 +128,8 @@ def processors_for(params: SamplingParams) -> list[LogitsProcessor]:
     chain: list[LogitsProcessor] = []
     if params.repetition_penalty != 1.0:
         chain.append(RepetitionPenalty(params.repetition_penalty, params.repetition_window))
+    if params.presence_penalty or params.frequency_penalty:
+        chain.append(PresenceFrequencyPenalty(params.presence_penalty, params.frequency_penalty))
     return chain
 
 
@@ -86,13 +137,16 @@ class Sampler:
     """A row's chain: `processors` (default: those `params` asks for), then the pick.
 
     `sampler(logits, history)` returns the next token as a (lazy) scalar array; it owns the
-    row's random key, so a seeded row draws the same tokens whatever else runs.
+    row's random key, so a seeded row draws the same tokens whatever else runs. One Sampler
+    serves one answer: each call's pick is passed to the processors' `advance` before the
+    next call.
     """
 
     def __init__(self, params: SamplingParams, processors: list[LogitsProcessor] | None = None):
         self.p = params
         self.processors = processors_for(params) if processors is None else processors
         self.key = mx.random.key(params.seed) if params.seed is not None else None
+        self._last: mx.array | None = None  # the previous pick, not yet advanced
 
     @property
     def reads_history(self) -> bool:
@@ -100,18 +154,28 @@ class Sampler:
         return any(p.reads_history for p in self.processors)
 
     def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
-        return self.pick(self.process(logits, history))
+        return self.sample(logits, history)[0]
+
+    def sample(self, logits: mx.array, history: Sequence[int]) -> tuple[mx.array, mx.array]:
+        """(the pick, the processed logits it was picked from: see `logprobs`)."""
+        if self._last is not None:
+            for p in self.processors:
+                p.advance(self._last)
+        processed = self.process(logits, history)
+        self._last = self.pick(processed)
+        return self._last, processed
 
     def process(self, logits: mx.array, history: Sequence[int]) -> mx.array:
+        """`logits` (float32) through the processors, in the chain's order."""
         logits = logits.astype(mx.float32)
         for p in self.processors:
             logits = p(logits, history)
         return logits
 
-    def logprobs(self, logits: mx.array, history: Sequence[int]) -> mx.array:
-        """Log-probabilities `[V]` of the processed logits (what the pick chooses from, before
+    @staticmethod
+    def logprobs(processed: mx.array) -> mx.array:
+        """Log-probabilities `[V]` of processed logits (what the pick chooses from, before
         temperature and the top-k/top-p/min-p cuts)."""
-        processed = self.process(logits, history)
         return processed - mx.logsumexp(processed)
 
     def accept(self, tokens: Sequence[int]) -> None:
