@@ -1,0 +1,109 @@
+"""engine.runtime.grammar: constrained answers always match their constraint.
+
+The reference is independent of the engine: `json` + `jsonschema` for JSON Schema answers,
+`re.fullmatch` for regular expressions.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+
+from engine.runtime.generate import decode, prefill
+from engine.runtime.grammar import GrammarError, GrammarProcessor
+from engine.runtime.sampling import Sampler, SamplingParams
+
+pytest.importorskip("llguidance", reason="constrained decoding needs llguidance")
+
+PROMPT = [151644, 872, 198, 9707, 0, 151645, 198, 151644, 77091, 198]
+
+
+def _answer(eng, spec, params: SamplingParams, max_tokens: int = 160, start_after=None):
+    processor = GrammarProcessor(eng, spec, start_after=start_after)
+    sampler = Sampler(params, [processor])
+    caches = eng.model.make_caches()
+    logits, _ = prefill(eng.model, caches, PROMPT, 0)
+    ids = list(decode(eng.model, caches, logits, sampler, max_tokens=max_tokens,
+                      stop_ids=eng.stop_ids, history=list(PROMPT)))  # fmt: skip
+    stopped = bool(ids) and ids[-1] in eng.stop_ids
+    return eng.tokenizer.decode(ids[:-1] if stopped else ids), stopped, processor
+
+
+def _schema(rng: random.Random, depth: int = 0) -> dict:
+    """A random JSON Schema whose instances are short (bounded strings, arrays, numbers)."""
+    kinds = ["string", "integer", "enum", "boolean", "number"] + (
+        ["object", "array"] if depth < 2 else []
+    )
+    kind = rng.choice(kinds)
+    if kind == "string":
+        s = {"type": "string", "maxLength": rng.randint(0, 6)}
+        if rng.random() < 0.3:
+            s = {"type": "string", "pattern": rng.choice(["^[a-z]{1,4}$", "^[0-9]{2}-[A-Z]$"])}
+        return s
+    if kind == "integer":
+        lo = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 100)}
+    if kind == "number":
+        return {"type": "number", "minimum": -10, "maximum": 10}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", "blue", 1, 2.5, None, True], rng.randint(1, 4))}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "array":
+        return {"type": "array", "items": _schema(rng, depth + 1), "maxItems": rng.randint(0, 3)}
+    names = rng.sample(["id", "name", "tags", "price", "ok", "kind"], rng.randint(1, 3))
+    props = {n: _schema(rng, depth + 1) for n in names}
+    return {"type": "object", "properties": props, "additionalProperties": False,
+            "required": rng.sample(names, rng.randint(0, len(names)))}  # fmt: skip
+
+
+@pytest.mark.parametrize("block", range(8))
+def test_constrained_answers_parse_and_validate(tiny, block):
+    """200 random schemas (25 per block), each answered greedily and at temperature 1: every
+    answer ends (the schemas bound their instances) and validates."""
+    for seed in range(25 * block, 25 * block + 25):
+        schema = _schema(random.Random(seed))
+        spec = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+        for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=seed)):
+            text, stopped, processor = _answer(tiny, spec, params)
+            assert stopped and processor.complete, (schema, text)
+            jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_and_regex(tiny):
+    text, stopped, _ = _answer(
+        tiny, {"type": "json_object"}, SamplingParams(temperature=1.0, seed=3)
+    )
+    if stopped:
+        assert isinstance(json.loads(text), dict)
+    for seed in range(4):
+        text, stopped, _ = _answer(tiny, {"type": "regex", "regex": r"(yes|no), [0-9]{1,3}"},
+                                   SamplingParams(temperature=1.0, seed=seed), max_tokens=12)  # fmt: skip
+        assert stopped and re.fullmatch(r"(yes|no), [0-9]{1,3}", text), text
+
+
+def test_the_constraint_waits_for_the_think_block_to_close(tiny):
+    think_end = tiny.tokenizer.token_id("</think>")
+    processor = GrammarProcessor(tiny, {"type": "regex", "regex": "ok"}, start_after=think_end)
+    import mlx.core as mx
+
+    logits = mx.zeros((tiny.model.arch.vocab_size,))
+    free = processor(logits, [])
+    assert bool(mx.all(free == 0))  # thinking: nothing masked
+    processor.accept(tiny.tokenizer.encode("some reasoning"))
+    assert bool(mx.all(processor(logits, []) == 0))
+    processor.accept([think_end])
+    masked = processor(logits, [])
+    allowed = [i for i, v in enumerate(masked.tolist()) if v == 0]
+    assert allowed and all("ok".startswith(tiny.tokenizer.decode([i])) for i in allowed)
+
+
+@pytest.mark.parametrize("spec", [{"type": "json_schema", "json_schema": {"schema": "x"}},
+                                  {"type": "regex", "regex": "("}, {"type": "yaml"}])  # fmt: skip
+def test_bad_constraints_are_named(tiny, spec):
+    with pytest.raises(GrammarError):
+        GrammarProcessor(tiny, spec)
