@@ -328,8 +328,7 @@ class Session:
         try:
             if recorded != self._recorded:  # its prompt lacks the turns answered since
                 raise TurnConflict(
-                    "this stream was made before the session's last turn (or reset): make a "
-                    "new one"
+                    "this stream was made before the session's last turn (or reset): make a new one"
                 )
             self.stop_warm()  # one started since this stream was made: it would move the caches
             turn = yield from self._answer(*args)

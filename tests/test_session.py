@@ -293,14 +293,28 @@ def _pending_tool_call(eng, s, monkeypatch):
         lambda s: s.send("\ud800"),
         lambda s: s.send("caf\udce9 au lait"),  # what surrogateescape makes of Latin-1 bytes
         lambda s: s.stream("ok", tools=[{**TOOLS[0], "function": {"name": "f\udcff"}}]),
-        lambda s: s.send("ok", tools=[{"type": "function", "function": {
-            "name": "f", "parameters": {"properties": {"\udc80": {}}}}}]),  # fmt: skip
+        lambda s: s.send(
+            "ok",
+            tools=[
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"properties": {"\udc80": {}}}},
+                }
+            ],
+        ),  # fmt: skip
         lambda s: s.edit_last("\udfff"),
         lambda s: s.send_tool_results(["\ud800"]),
         lambda s: s.send_tool_results([{"content": "21", "name": "w\udc00"}]),
     ],
-    ids=["text", "escaped-bytes", "tool-name", "tool-key", "edit", "tool-result",
-         "tool-result-field"],  # fmt: skip
+    ids=[
+        "text",
+        "escaped-bytes",
+        "tool-name",
+        "tool-key",
+        "edit",
+        "tool-result",
+        "tool-result-field",
+    ],  # fmt: skip
 )
 def test_lone_surrogates_anywhere_are_a_value_error_that_changes_nothing(tiny, monkeypatch,
                                                                          make_bad):  # fmt: skip
