@@ -100,14 +100,17 @@ class BadLine(str):
     """An input line that could not be decoded: its text is the error to report."""
 
 
-def _decode_line(raw: bytes, number: int) -> str:
+def _decode_line(raw: str | bytes, number: int) -> str:
+    """A line without its newline, or a `BadLine` if it is not UTF-8. A terminal's text (a
+    str) carries undecodable bytes as surrogates (surrogateescape): they are checked too."""
     try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return BadLine(
-            f"error: input line {number} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at "
-            f"offset {e.start}); skipped"
-        )
+        if isinstance(raw, str):
+            raw = raw.encode("utf-8", "surrogateescape")
+        return raw.rstrip(b"\n").removesuffix(b"\r").decode("utf-8")
+    except UnicodeError as e:
+        byte = f"byte 0x{raw[e.start]:02x}" if isinstance(raw, bytes) else "a character"
+        return BadLine(f"error: input line {number} is not valid UTF-8 ({byte} at offset "
+                       f"{e.start}); skipped")  # fmt: skip
 
 
 def _bad_text(args, names: tuple[str, ...]) -> str | None:
@@ -366,22 +369,17 @@ def _lines(interactive: bool) -> Iterator[str]:
         number += 1
         try:
             # From a pipe: bytes, decoded line by line, so one bad line costs only itself.
-            line = input(">>> ") if interactive else sys.stdin.buffer.readline()
+            raw = input(">>> ") if interactive else sys.stdin.buffer.readline()
         except (EOFError, KeyboardInterrupt):  # Ctrl+D or Ctrl+C at the prompt: leave cleanly
             if interactive:
                 print()
             return
         except UnicodeDecodeError as e:  # a terminal in a strict locale
-            yield BadLine(f"error: the line is not valid UTF-8 ({e.reason}); skipped")
+            yield BadLine(f"error: input line {number} is not valid UTF-8 ({e.reason}); skipped")
             continue
-        if not interactive:
-            if not line:
-                return
-            line = _decode_line(line.rstrip(b"\n").removesuffix(b"\r"), number)
-            if isinstance(line, BadLine):
-                yield line
-                continue
-        yield line.rstrip("\n")
+        if not interactive and not raw:
+            return
+        yield _decode_line(raw, number)
 
 
 @contextlib.contextmanager
