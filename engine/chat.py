@@ -444,6 +444,12 @@ def run_chat(args) -> int:
     import engine
 
     eng = engine.load(model)
+    window = eng.entry.context_window  # what the session gets: no room left for the prompt?
+    if args.max_tokens >= window:
+        _err(f"chatml chat: --max-tokens {args.max_tokens} "
+             f"{'exceeds' if args.max_tokens > window else 'fills'} the context window of "
+             f"{model} ({window} tokens)")  # fmt: skip
+        return 2
     stored = None
     options = dict(system=args.system, max_exchanges=args.max_exchanges,
                    enable_thinking=args.thinking)  # fmt: skip
@@ -466,13 +472,6 @@ def run_chat(args) -> int:
         if options["max_exchanges"] is None:
             options["max_exchanges"] = 6
         session = eng.session(options.pop("system"), **options)
-    if args.max_tokens >= session.context_window:  # no room left for the prompt
-        _err(f"chatml chat: --max-tokens {args.max_tokens} "
-             f"{'exceeds' if args.max_tokens > session.context_window else 'fills'} the context "
-             f"window of {model} ({session.context_window} tokens)")  # fmt: skip
-        for s in {stored} - {None}:
-            s.close()
-        return 2
     interactive = args.prompt is None and sys.stdin.isatty()
     chat = None
     try:

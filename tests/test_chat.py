@@ -285,9 +285,9 @@ def test_symlinked_session_folders_are_refused(tmp_path):
 
 @pytest.mark.parametrize("extra, verb", [(0, "fills"), (1, "exceeds"), (30_000, "exceeds")])
 def test_max_tokens_beyond_the_context_window_is_a_usage_error(tiny, extra, verb):
-    window = tiny.entry.context_window
-    r = chatml("chat", "--max-tokens", str(window + extra), "-p", "hi")
-    assert r.returncode == 2, r.stderr
+    window, sid = tiny.entry.context_window, new_id("window")
+    r = chatml("chat", "--max-tokens", str(window + extra), "-p", "hi", "--session", sid)
+    assert r.returncode == 2 and not SessionStore().path(sid).exists(), r.stderr
     assert (f"--max-tokens {window + extra} {verb} the context window of tiny ({window} tokens)"
             in r.stderr)  # fmt: skip
     assert "budget" not in r.stderr
