@@ -12,6 +12,9 @@ Layout of `<CHATML_HOME>/sessions/<id>/`:
   ones the last good log record names; otherwise the history is rebuilt from the log and the
   next turn prefills it. The log is the truth; the state is only ever a shortcut.
 - `lock`: held (flock) while a process has the session open, so two never interleave.
+
+A session folder, or a file in it, that is a symbolic link is refused, never followed: the
+store reads, writes and deletes only inside `<CHATML_HOME>/sessions`.
 """
 
 from __future__ import annotations
