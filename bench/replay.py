@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from statistics import median
 
 from bench import mlx_lm_series
 from bench.common import conditions, load_mlx_lm, model_path, special_ids, write_json
@@ -270,8 +271,17 @@ def _bar(total: int, enabled: bool):
 # ----- reporting -----------------------------------------------------------------------------
 
 
+def slower_turns(rows: list[dict], base_rows: list[dict], key: str, higher_is_better: bool):
+    """The turns on which `rows` did worse than `base_rows` on `key`."""
+    base = {r["turn"]: r[key] for r in base_rows}
+    return [r["turn"] for r in rows if r["turn"] in base
+            and (r[key] < base[r["turn"]] if higher_is_better else r[key] > base[r["turn"]])]  # fmt: skip
+
+
 def summary(result: dict) -> dict:
-    """The targets: TTFT ratios from turn 3 on, minimum prefill, decode speed."""
+    """The targets: TTFT ratios from turn 3 on, minimum prefill, decode speed; medians are
+    true medians (the mean of the middle two for an even count), and the turns where an engine
+    was slower than a baseline are listed beside every ratio."""
     e = result["engines"]
     out: dict = {}
     chat = e.get("chatml", [])
@@ -290,18 +300,21 @@ def summary(result: dict) -> dict:
             if pairs:
                 ratios = [q for _, q in pairs]
                 out[f"{name}_vs_{base}_ttft_ratio_min"] = min(ratios)
-                out[f"{name}_vs_{base}_ttft_ratio_median"] = sorted(ratios)[len(ratios) // 2]
+                out[f"{name}_vs_{base}_ttft_ratio_median"] = median(ratios)
                 out[f"{name}_under_5x_vs_{base}_turns"] = [t for t, q in pairs if q < 5.0]
                 out[f"{name}_slower_than_{base}_turns"] = [t for t, q in pairs if q < 1.0]
     for name in e:
         tps = [r["decode_tps"] for r in e[name] if r["decode_tps"] > 0]
         ttft = [r["ttft_s"] for r in e[name] if r["turn"] >= 3]
-        out[f"{name}_decode_tps_median"] = sorted(tps)[len(tps) // 2] if tps else 0.0
+        out[f"{name}_decode_tps_median"] = median(tps) if tps else 0.0
         out[f"{name}_ttft_s_sum_from_turn3"] = sum(ttft)
     for base in BASELINES:
         if out.get(f"{base}_decode_tps_median") and "chatml" in e:
             out[f"chatml_decode_vs_{base}"] = (
                 out["chatml_decode_tps_median"] / out[f"{base}_decode_tps_median"]
+            )
+            out[f"chatml_decode_slower_than_{base}_turns"] = slower_turns(
+                e["chatml"], e[base], "decode_tps", higher_is_better=True
             )
     return out
 
@@ -324,8 +337,15 @@ def print_table(result: dict) -> None:
             f"{trim:>4} " + " ".join(f"{c:>19}" for c in cells)
         )
     print("decode tokens/s (median): " + ", ".join(
-        f"{LABELS[n]} {sorted(r['decode_tps'] for r in e[n])[len(e[n]) // 2]:.2f}" for n in names
+        f"{LABELS[n]} {median(r['decode_tps'] for r in e[n]):.2f}" for n in names
     ))  # fmt: skip
+    for base in BASELINES:
+        if "chatml" in e and base in e:
+            ttft = slower_turns(e["chatml"], e[base], "ttft_s", higher_is_better=False)
+            tps = slower_turns(e["chatml"], e[base], "decode_tps", higher_is_better=True)
+            print(f"chatml slower than {LABELS[base]} on turns: first token "
+                  f"{', '.join(map(str, ttft)) or 'none'}; decode "
+                  f"{', '.join(map(str, tps)) or 'none'}")  # fmt: skip
     if "chatml_warm" in e:
         warm = [r.get("warm_s_after", 0.0) for r in e["chatml_warm"]]
         print(f"chatml (warm): warm() took {sum(warm):.2f} s in all, max {max(warm):.2f} s")

@@ -56,12 +56,16 @@ def replay(result: dict) -> str:
             if key in s:
                 under = s[f"{name}_under_5x_vs_{base}_turns"]
                 slower = s[f"{name}_slower_than_{base}_turns"]
+                decode = s.get(f"{name}_decode_slower_than_{base}_turns")
                 rows.append([LABELS[name], LABELS[base], f"{s[key]:.1f}x",
                              f"{s[f'{name}_vs_{base}_ttft_ratio_median']:.1f}x",
                              ", ".join(map(str, under)) or "none",
-                             ", ".join(map(str, slower)) or "none"])  # fmt: skip
+                             ", ".join(map(str, slower)) or "none",
+                             "-" if decode is None else ", ".join(map(str, decode)) or "none",
+                             ])  # fmt: skip
     out += ["", *_table(["engine", "vs", "TTFT ratio, min (turns 3+)", "median",
-                         "turns under 5x", "turns slower"], rows)]  # fmt: skip
+                         "turns under 5x", "turns slower", "decode slower on turns"],
+                        rows)]  # fmt: skip
     return "\n".join(out)
 
 

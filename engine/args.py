@@ -25,3 +25,14 @@ def number(minimum: float, maximum: float | None = None, kind=int) -> Callable[[
         return value
 
     return parse
+
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` with each option's default, except where there is none to show (None, off)
+    or the help already says it in words."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if any(action.default is v for v in (None, False, argparse.SUPPRESS)) or "default" in text:
+            return text
+        return super()._get_help_string(action)

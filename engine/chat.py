@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .args import number
+from .args import DefaultsFormatter, number
 
 COMMANDS = {
     "/reset": "forget the conversation (the system prompt stays)",
     "/history": "show the exchanges (* marks those in the model's window)",
     "/stats": "token counts and timings of the last answer, and totals",
-    "/regenerate": "answer the last question again",
+    "/regenerate": "answer the last question again (the same answer when greedy or seeded)",
     "/save": "/save [ID]: keep the conversation on disk (and keep saving it)",
     "/exit": "leave (so do Ctrl+D and Ctrl+C at the prompt)",
     "/help": "this list",
@@ -41,20 +41,26 @@ class AnswerRejected(ValueError):
 
 
 def add_chat_parser(sub) -> None:
-    c = sub.add_parser("chat", help="chat with a model (interactive, or line by line from a pipe)")
+    c = sub.add_parser("chat", help="chat with a model (interactive, or line by line from a pipe)",
+                       formatter_class=DefaultsFormatter)  # fmt: skip
     c.add_argument("--model", default=None,
                    help="registry alias, checkpoint folder or Hub id (default: the session's, or tiny)")  # fmt: skip
-    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--system", default=None,
+                   help="system prompt (default: the session's, or none)")  # fmt: skip
     c.add_argument("--max-exchanges", type=number(0), default=None,
-                   help="exchanges kept in the window (default 6)")  # fmt: skip
+                   help="exchanges kept in the window; 0: each question on its own, the history "
+                        "still kept (default: the session's, or 6)")  # fmt: skip
     c.add_argument("--max-tokens", type=number(1), default=256, help="answer length limit")
-    c.add_argument("--temperature", type=number(0.0, kind=float), default=0.0)
-    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--temperature", type=number(0.0, kind=float), default=0.0,
+                   help="sampling temperature; 0 is greedy")  # fmt: skip
+    c.add_argument("--seed", type=int, default=None,
+                   help="sampling seed, for repeatable answers (default: random)")  # fmt: skip
     c.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="thinking mode (default: the model's)")  # fmt: skip
     c.add_argument("--session", default=None, metavar="ID",
                    help="resume or create the conversation ID, saved under CHATML_HOME/sessions")  # fmt: skip
-    c.add_argument("--no-history", action="store_true", help="every question on its own")
+    c.add_argument("--no-history", action="store_true",
+                   help="every question on its own (not with --session or -p)")  # fmt: skip
     c.add_argument("--stats", action="store_true", help="print token counts and timings per turn")
     c.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
                    help="on a terminal, prefill the next prompt's known part while you type")  # fmt: skip
@@ -65,7 +71,8 @@ def add_chat_parser(sub) -> None:
 
 
 def add_sessions_parser(sub) -> None:
-    s = sub.add_parser("sessions", help="list, show or remove saved conversations")
+    s = sub.add_parser("sessions", help="list, show or remove saved conversations",
+                       formatter_class=DefaultsFormatter)  # fmt: skip
     s.add_argument("action", nargs="?", choices=["list", "show", "rm"], default="list")
     s.add_argument("id", nargs="?")
     s.add_argument("--json", action="store_true", help="machine-readable output (show)")
@@ -75,13 +82,48 @@ def add_sessions_parser(sub) -> None:
 # ----- helpers ------------------------------------------------------------------------------
 
 
+def _count(n: int, noun: str) -> str:
+    """`1 answer`, `2 answers`."""
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
 def _stats_line(turn) -> str:
     s = turn.stats
     return (
         f"[prompt {s.prompt_tokens} tok: reused {s.reused_tokens}, prefilled "
         f"{s.prefilled_tokens}; generated {s.generated_tokens}; ttft {s.ttft_s * 1000:.0f} ms; "
-        f"decode {s.decode_tps:.1f} tok/s; dropped {s.dropped_exchanges} exchanges]"
+        f"decode {s.decode_tps:.1f} tok/s; dropped {_count(s.dropped_exchanges, 'exchange')}]"
     )
+
+
+class BadLine(str):
+    """An input line that could not be decoded: its text is the error to report."""
+
+
+def _decode_line(raw: str | bytes, number: int) -> str:
+    """A line without its newline, or a `BadLine` if it is not UTF-8. A terminal's text (a
+    str) carries undecodable bytes as surrogates (surrogateescape): they are checked too."""
+    try:
+        if isinstance(raw, str):
+            raw = raw.encode("utf-8", "surrogateescape")
+        return raw.rstrip(b"\n").removesuffix(b"\r").decode("utf-8")
+    except UnicodeError as e:
+        byte = f"byte 0x{raw[e.start]:02x}" if isinstance(raw, bytes) else "a character"
+        return BadLine(f"error: input line {number} is not valid UTF-8 ({byte} at offset "
+                       f"{e.start}); skipped")  # fmt: skip
+
+
+def _bad_text(args, names: tuple[str, ...]) -> str | None:
+    """The first option whose value is not valid text (undecodable bytes in argv become lone
+    surrogates), as a usage error, or None."""
+    for name in names:
+        value = getattr(args, name.lstrip("-").replace("-", "_"))
+        try:
+            if value is not None:
+                value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"{name} is not valid UTF-8 (an undecodable byte at character {e.start})"
+    return None
 
 
 def _err(message: str) -> None:
@@ -253,9 +295,9 @@ class Chat:
             print(f"  prefill {st.prefill_s * 1000:.0f} ms ({st.prefill_tps:.0f} tok/s), decode "
                   f"{st.decode_s * 1000:.0f} ms; cache {st.cache_bytes / 2**20:.1f} MiB")  # fmt: skip
         t = self.totals
-        print(f"  this run: {t['turns']} answers; reused {t['reused']}, prefilled "
+        print(f"  this run: {_count(t['turns'], 'answer')}; reused {t['reused']}, prefilled "
               f"{t['prefilled']}, generated {t['generated']} tokens; "
-              f"{len(self.session.history)} exchanges in the conversation")  # fmt: skip
+              f"{_count(len(self.session.history), 'exchange')} in the conversation")  # fmt: skip
         if self.stored is not None:
             print(f"  session {self.stored.id}: {self.stored.dir}")
 
@@ -264,6 +306,10 @@ class Chat:
         if not s.history:
             _err("error: there is no exchange to redo")
             return
+        o = self.options
+        if o["temperature"] == 0 or o["seed"] is not None:  # the same prompt, the same tokens
+            why = "greedy decoding (--temperature 0)" if o["temperature"] == 0 else "a fixed --seed"
+            _err(f"[{why} gives the same answer again; --temperature > 0 without --seed varies it]")
         last, last_turn = s.history.pop(), self.turns.pop() if self.turns else None
         if not self.ask(last[0]["content"]):
             s.history.append(last)
@@ -272,6 +318,9 @@ class Chat:
     def _save(self, session_id: str | None) -> None:
         from .storage.store import SessionIdError
 
+        if self.args.no_history:
+            _err("error: --no-history keeps no conversation to save")
+            return
         if self.stored is not None:
             if session_id and session_id != self.stored.id:
                 _err(f"error: already saving as {self.stored.id!r}")
@@ -293,30 +342,44 @@ class Chat:
     # ----- the loop ---------------------------------------------------------------------
 
     def run(self, lines: Iterator[str]) -> None:
+        self._warm()  # a resumed conversation too: the first question waits only for itself
         for line in lines:
-            if line.startswith("//"):
+            if isinstance(line, BadLine):
+                self.failures += 1
+                _err(line)
+            elif line.startswith("//"):
                 self.ask(line[1:])
             elif line.startswith("/"):
                 if not self.command(line):
                     return
             elif line.strip():
                 self.ask(line)
-            if self.interactive and self.args.warm and not self.args.no_history:
-                # While the user reads and types: the next question waits only for itself.
-                self.session.warm_in_background()
+            self._warm()
+
+    def _warm(self) -> None:
+        if self.interactive and self.args.warm and not self.args.no_history:
+            # While the user reads and types: the next question waits only for itself.
+            self.session.warm_in_background()
 
 
 def _lines(interactive: bool) -> Iterator[str]:
+    """Input lines; one that is not UTF-8 comes as a `BadLine` and the input goes on."""
+    number = 0
     while True:
+        number += 1
         try:
-            line = input(">>> ") if interactive else sys.stdin.readline()
+            # From a pipe: bytes, decoded line by line, so one bad line costs only itself.
+            raw = input(">>> ") if interactive else sys.stdin.buffer.readline()
         except (EOFError, KeyboardInterrupt):  # Ctrl+D or Ctrl+C at the prompt: leave cleanly
             if interactive:
                 print()
             return
-        if not interactive and not line:
+        except UnicodeDecodeError as e:  # a terminal in a strict locale
+            yield BadLine(f"error: input line {number} is not valid UTF-8 ({e.reason}); skipped")
+            continue
+        if not interactive and not raw:
             return
-        yield line.rstrip("\n")
+        yield _decode_line(raw, number)
 
 
 @contextlib.contextmanager
@@ -346,7 +409,16 @@ def run_chat(args) -> int:
     if args.no_history and args.prompt is not None:
         _err("chatml chat: --no-history has no effect with -p (one question has no history)")
         return 2
-    from .storage.store import SessionBusy, SessionIdError, SessionStore, check_id
+    if args.no_history and args.session is not None:
+        # Its questions are not a conversation: logged, they would replace the stored one.
+        _err("chatml chat: --no-history cannot be used with --session (a session keeps "
+             "its conversation); use --max-exchanges 0 to ask each question on its own")  # fmt: skip
+        return 2
+    bad = _bad_text(args, ("--prompt", "--system", "--session", "--model"))
+    if bad:
+        _err(f"chatml chat: {bad}")
+        return 2
+    from .storage.store import SessionBusy, SessionIdError, SessionStore
 
     warned: set[str] = set()
 
@@ -359,7 +431,7 @@ def run_chat(args) -> int:
     model = args.model
     if args.session is not None:
         try:
-            check_id(args.session)
+            store.path(args.session)  # a plain name, and no symbolic link to elsewhere
         except SessionIdError as e:
             _err(f"chatml chat: {e}")
             return 2
@@ -372,17 +444,26 @@ def run_chat(args) -> int:
     import engine
 
     eng = engine.load(model)
+    window = eng.entry.context_window  # what the session gets: no room left for the prompt?
+    if args.max_tokens >= window:
+        _err(f"chatml chat: --max-tokens {args.max_tokens} "
+             f"{'exceeds' if args.max_tokens > window else 'fills'} the context window of "
+             f"{model} ({window} tokens)")  # fmt: skip
+        return 2
     stored = None
     options = dict(system=args.system, max_exchanges=args.max_exchanges,
                    enable_thinking=args.thinking)  # fmt: skip
     if args.session is not None:
+        new = not store.exists(args.session)
         try:
             stored = store.open(args.session, eng, model=model, **options)
         except SessionBusy as e:
             _err(f"chatml chat: {e}")
             return 1
         session = stored.session
-        if stored.resumed_turns:
+        if new:
+            _err(f"[session {stored.id}: new, saved in {stored.dir}]")
+        elif stored.resumed_turns:
             how = ("cache restored" if stored.state_loaded
                    else "no usable cache state: the next turn prefills the history")  # fmt: skip
             n = stored.resumed_turns
@@ -428,7 +509,7 @@ def run_sessions(args) -> int:
                 log = store.read(sid)
                 first = log.history[0][0].get("content", "") if log.history else ""
                 when = time.strftime("%Y-%m-%d %H:%M", time.localtime(log.updated or 0))
-                print(f"{sid:<24} {len(log.history):>3} exchanges  {when}  "
+                print(f"{sid:<24} {_count(len(log.history), 'exchange'):>13}  {when}  "
                       f"{log.options.get('model', '?')}  {first[:40]!r}")  # fmt: skip
             return 0
         if not store.exists(args.id):
@@ -453,8 +534,9 @@ def run_sessions(args) -> int:
                               "state": state}, ensure_ascii=False, indent=1))  # fmt: skip
             return 0
         o = log.options
+        think = {True: "on", False: "off"}.get(o.get("enable_thinking"), "the model's default")
         print(f"session {args.id}: model {o.get('model')}, max {o.get('max_exchanges')} "
-              f"exchanges, thinking {o.get('enable_thinking')}; cache state: {state}")  # fmt: skip
+              f"exchanges, thinking {think}; cache state: {state}")  # fmt: skip
         if o.get("system") is not None:
             print(f"system: {o['system']}")
         for i, exchange in enumerate(log.history):

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+from pathlib import Path
 
-from .args import number
+from .args import DefaultsFormatter, number
 
 
 def _models(args) -> int:
@@ -75,6 +78,7 @@ def _doctor(args) -> int:
     from kernels import blas
 
     from .engine import backend
+    from .paths import chatml_home
 
     info = blas.info()
     report = {
@@ -87,25 +91,47 @@ def _doctor(args) -> int:
         "blas_provider": info.provider,
         "blas_note": info.reason,
         "matmul_gflops_f32": round(blas.measure_gflops(), 1),
+        "chatml_home": str(chatml_home()),  # built models, the tokenizer, sessions
     }
     if args.json:
         print(json.dumps(report))
     else:
         for k, v in report.items():
-            print(f"{k:>18}: {v}")
+            if v not in (None, ""):  # e.g. no note when the fast BLAS loaded
+                print(f"{k:>18}: {v}")
         if not info.fast and backend() == "cpu" and platform.system() == "Linux":
             print(f"\nslow reference BLAS in use: {blas.FIX_HINT}")
     return 0
 
 
+def benchmarks() -> dict[str, str]:
+    """The `bench/` modules that run on their own (a top-level `main`), with their docstring's
+    first line: read from the source, so `--help` imports no benchmark (nor MLX)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("bench")
+    out = {}
+    for folder in spec.submodule_search_locations if spec else []:
+        for path in sorted(Path(folder).glob("*.py")):
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except (OSError, SyntaxError, ValueError):
+                continue
+            if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
+                out.setdefault(path.stem, (ast.get_docstring(tree) or "").split("\n")[0])
+    return out
+
+
 def _bench(args) -> int:
     import importlib
 
-    try:
-        module = importlib.import_module(f"bench.{args.what}")
-    except ModuleNotFoundError:
-        print(f"chatml bench: no benchmark {args.what!r}", file=sys.stderr)
+    known = benchmarks()
+    if args.what not in known:
+        print(f"chatml bench: no benchmark {args.what!r}; known: {', '.join(known)}",
+              file=sys.stderr)  # fmt: skip
         return 2
+    module = importlib.import_module(f"bench.{args.what}")
     sys.argv = [f"chatml bench {args.what}", *args.rest]  # each bench parses its own options
     module.main()
     return 0
@@ -117,8 +143,18 @@ def _serve(args) -> int:
     return run(args)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("chatml-engine")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chatml", description=__doc__)
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     from .chat import add_chat_parser, add_sessions_parser
@@ -126,21 +162,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_parser(sub)
     add_sessions_parser(sub)
 
-    m = sub.add_parser("models", help="list, describe or build registry models")
+    m = sub.add_parser("models", help="list, describe or build registry models",
+                       formatter_class=DefaultsFormatter)  # fmt: skip
     m.add_argument("action", nargs="?", choices=["list", "info", "build"])
     m.add_argument("name", nargs="?")
     m.add_argument("--out", help="folder to write the checkpoint to (build)")
-    m.add_argument("--seed", type=int, default=None, help="weight seed (build)")
-    m.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    m.add_argument(
+        "--seed", type=int, default=None, help="weight seed (build; default: the registry's)"
+    )
+    m.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weight dtype (build; default: the registry's)")  # fmt: skip
     m.set_defaults(func=_models)
 
-    d = sub.add_parser("doctor", help="backend, BLAS in use and measured matmul speed")
+    d = sub.add_parser("doctor", help="backend, BLAS, measured matmul speed, data folder",
+                       formatter_class=DefaultsFormatter)  # fmt: skip
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=_doctor)
 
-    b = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
-    b.add_argument("what", help="kernels, render, replay or throughput")
-    b.add_argument("rest", nargs=argparse.REMAINDER)
+    listed = "\n".join(f"  {name:<12} {what}" for name, what in benchmarks().items())
+    b = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=f"benchmarks (chatml bench NAME --help for each one's options):\n{listed}")  # fmt: skip
+    b.add_argument("what", metavar="NAME", help="the benchmark to run (listed below)")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="options for the benchmark")
     b.set_defaults(func=_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (README: Server)")
@@ -159,6 +203,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # here, not at exit: a broken pipe must reach the handler below
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as `cat` would
+        # Python flushes stdout again at exit; point it at /dev/null so that flush is silent.
+        with contextlib.suppress(OSError, ValueError):  # stdout may not be a real file
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        return 141  # 128 + SIGPIPE, what a command killed by the broken pipe reports
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "models" and args.action in ("info", "build") and not args.name:
         print(f"chatml models {args.action}: a model name is required", file=sys.stderr)

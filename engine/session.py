@@ -14,6 +14,7 @@ its state before the turn, or at a snapshot of it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -50,6 +51,8 @@ def _check_options(system, tools, enable_thinking, preserve_thinking, max_exchan
         raise TypeError(f"system must be a string or None, got {type(system).__name__}")
     if tools is not None and not isinstance(tools, list):
         raise TypeError(f"tools must be a list of tool definitions, got {type(tools).__name__}")
+    _check_text(system, "system")
+    _check_text(tools, "tools")
     for name, flag in (("enable_thinking", enable_thinking),
                        ("preserve_thinking", preserve_thinking)):  # fmt: skip
         if flag is not None and not isinstance(flag, bool):
@@ -58,6 +61,27 @@ def _check_options(system, tools, enable_thinking, preserve_thinking, max_exchan
     _check_count("max_tokens", max_tokens, 1)
     if context_window is not None:
         _check_count("context_window", context_window, 1)
+
+
+def _check_text(value, where: str) -> None:
+    """Reject lone surrogates in any string inside `value` (what undecodable bytes become with
+    surrogateescape): they have no UTF-8 form, so the tokenizer could not encode them."""
+    todo = [(value, where)]
+    while todo:  # a stack, not recursion: tool arguments may nest deeply
+        item, at = todo.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"{at} is not valid text: lone surrogate {item[e.start]!r} at character "
+                    f"{e.start} (undecodable bytes?)"
+                ) from None
+        elif isinstance(item, dict):
+            todo += [(k, f"{at} (a key)") for k in item]
+            todo += [(v, f"{at}[{k!r}]") for k, v in item.items()]
+        elif isinstance(item, (list, tuple)):
+            todo += [(v, f"{at}[{i}]") for i, v in enumerate(item)]
 
 
 def _check_count(name: str, value, minimum: int) -> None:
@@ -99,7 +123,7 @@ class Session:
         self._warmed = (0, 0)  # positions the last warm() computed, for the next turn's stats
         self._warming: tuple[threading.Thread, threading.Event] | None = None
         self._answering = threading.Lock()  # held while a turn runs (an open stream)
-        self._recorded = 0  # turns recorded: a stream made before the last one is stale
+        self._recorded = 0  # turns recorded and resets: a stream made before the last is stale
 
     # ----- public API -------------------------------------------------------------------
 
@@ -138,6 +162,7 @@ class Session:
 
     def stream_tool_results(self, results: Sequence, **kwargs) -> Iterator[str | Turn]:
         """Answer the last turn's tool calls (strings, or dicts with `content`); continues the turn."""
+        self._check_idle()
         if not self.pending:
             raise ValueError("no tool calls are waiting for results")
         if isinstance(results, (str, dict)) or not results:
@@ -161,6 +186,7 @@ class Session:
 
     def edit_last(self, text, **kwargs) -> Turn:
         """Replace the last question by `text` (None keeps it) and answer it afresh."""
+        self._check_idle()
         if not self.history:
             raise ValueError("there is no exchange to redo")
         self.stop_warm()
@@ -180,8 +206,9 @@ class Session:
         Exact: the next turn reuses only what matches its prompt. Stops at a chunk boundary
         when foreground work needs the model, or when `cancelled()` is true.
         """
-        if self.pending or self._answering.locked():
-            return 0  # tool results come next (the prompt ends at a boundary), or a turn runs
+        self._check_idle()
+        if self.pending:
+            return 0  # tool results come next: the prompt already ends at a boundary
         prompt = self.render([{"role": "user", "content": _TYPICAL_MESSAGE}], self.max_tokens)
         b = prompt.boundaries
         prefix = prompt.ids[: b.message_starts[-1]]  # up to the new user message
@@ -202,10 +229,15 @@ class Session:
 
         Call `stop_warm()` before the process exits: MLX work must not outlive the interpreter.
         """
+        self._check_idle()
         self.stop_warm()
         cancel = threading.Event()
-        thread = threading.Thread(target=self.warm, args=(cancel.is_set,), name="chatml-warm",
-                                  daemon=True)  # fmt: skip
+
+        def warm() -> None:
+            with contextlib.suppress(TurnConflict):  # a stream began first: it needs no warm-up
+                self.warm(cancel.is_set)
+
+        thread = threading.Thread(target=warm, name="chatml-warm", daemon=True)
         self._warming = (thread, cancel)
         thread.start()
         return thread
@@ -219,10 +251,12 @@ class Session:
             self._warming = None
 
     def reset(self) -> None:
-        """Forget the conversation (the system prompt stays)."""
+        """Forget the conversation (the system prompt stays); refused while a turn runs."""
+        self._check_idle()
         self.stop_warm()
         self.history, self.pending = [], []
         self.seq.drop_cache()
+        self._recorded += 1  # a stream made before now renders the forgotten history: stale
 
     @property
     def messages(self) -> list[dict]:
@@ -233,6 +267,11 @@ class Session:
     def tokens(self) -> list[int]:
         """The ids the session's caches hold (prompt and answer of the last turn)."""
         return self.seq.tokens
+
+    def _check_idle(self) -> None:
+        """Refuse to change the session while one of its streams is open (mid-turn)."""
+        if self._answering.locked():
+            raise TurnConflict(_BUSY)
 
     # ----- one turn ---------------------------------------------------------------------
 
@@ -265,11 +304,18 @@ class Session:
         # Everything that can reject the input runs here, before the generator starts, so a
         # bad message raises at the call and touches nothing.
         t0 = time.perf_counter()
-        if self._answering.locked():
-            raise TurnConflict(_BUSY)
+        self._check_idle()
         self.stop_warm()  # our own warm-up: stop it before reading the history it reads
         max_tokens = self.max_tokens if max_tokens is None else max_tokens
         _check_count("max_tokens", max_tokens, 1)
+        if max_tokens >= self.context_window:
+            raise ValueError(
+                f"max_tokens {max_tokens} {'exceeds' if max_tokens > self.context_window else 'fills'}"
+                f" the context window ({self.context_window} tokens), which must hold the prompt "
+                "and the answer"
+            )
+        _check_text(current, "messages")
+        _check_text(tools, "tools")
         prompt = self.render(current, max_tokens, tools)
         return self._run(
             self._recorded, prompt, current, Sampler(params), max_tokens, validate, ignore_eos,
@@ -282,8 +328,9 @@ class Session:
         try:
             if recorded != self._recorded:  # its prompt lacks the turns answered since
                 raise TurnConflict(
-                    "this stream was made before the session's last turn: make a new one"
+                    "this stream was made before the session's last turn (or reset): make a new one"
                 )
+            self.stop_warm()  # one started since this stream was made: it would move the caches
             turn = yield from self._answer(*args)
         finally:
             self._answering.release()

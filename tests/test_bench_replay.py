@@ -78,3 +78,34 @@ def test_report_renders_every_turn_and_engine(result):
     assert len(per_turn) == 3
     with pytest.raises(ValueError, match="not a replay or throughput"):
         report({"something": "else"})
+
+
+def _synthetic(ttft: dict, tps: dict) -> dict:
+    """A replay result with the given TTFTs and decode speeds per engine and turn."""
+    n = len(next(iter(ttft.values())))
+    rows = {name: [{"turn": k + 1, "ttft_s": ttft[name][k], "decode_tps": tps[name][k],
+                    "prefilled_tokens": 5, "min_prefill_tokens": 5, "met_minimum": True,
+                    "cache_bytes": 0} for k in range(n)] for name in ttft}  # fmt: skip
+    turns = [{"turn": k + 1, "prompt_tokens": 9, "min_prefill_tokens": 5, "trims_window": False}
+             for k in range(n)]  # fmt: skip
+    return {"engines": rows, "turns": turns}
+
+
+def test_medians_are_true_medians_and_slower_turns_are_named(capsys):
+    from bench.report import report
+
+    result = _synthetic(
+        ttft={"chatml": [1.0, 1.0, 1.0, 3.0], "mlx_lm_stock": [1.0, 1.0, 2.0, 2.0]},
+        tps={"chatml": [1.0, 4.0, 6.0, 8.0], "mlx_lm_stock": [2.0, 5.0, 5.0, 5.0]},
+    )
+    s = replay.summary(result)
+    # turns 3 and 4: ratios 2 and 2/3; the median of an even count is the mean of the middle two
+    assert s["chatml_vs_mlx_lm_stock_ttft_ratio_median"] == pytest.approx((2 + 2 / 3) / 2)
+    assert s["chatml_decode_tps_median"] == 5.0 and s["mlx_lm_stock_decode_tps_median"] == 5.0
+    assert s["chatml_slower_than_mlx_lm_stock_turns"] == [4]
+    assert s["chatml_decode_slower_than_mlx_lm_stock_turns"] == [1, 2]
+    assert "| chatml | mlx-lm stock | 0.7x | 1.3x | 3, 4 | 4 | 1, 2 |" in report(result)
+    replay.print_table(result)
+    out = capsys.readouterr().out
+    assert "chatml 5.00, mlx-lm stock 5.00" in out
+    assert "chatml slower than mlx-lm stock on turns: first token 4; decode 1, 2" in out

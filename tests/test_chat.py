@@ -21,16 +21,21 @@ SYSTEM = "You are a helpful assistant."
 QUESTIONS = ["Hi! My order number is 48213.", "What is my order number?", "你好", "Thanks!"]
 
 
-def chatml(*args, stdin: str = "", timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run the CLI with the test run's CHATML_HOME (so `tiny` is not rebuilt)."""
-    return subprocess.run(
+def chatml(*args, stdin: str | bytes = "", timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the CLI with the test run's CHATML_HOME (so `tiny` is not rebuilt). With bytes
+    (stdin or an argument) it talks bytes: stdout and stderr are decoded with "replace"."""
+    raw = isinstance(stdin, bytes) or any(isinstance(a, bytes) for a in args)
+    r = subprocess.run(
         [sys.executable, "-m", "engine.cli", *args],
-        input=stdin,
+        input=stdin.encode() if raw and isinstance(stdin, str) else stdin,
         capture_output=True,
-        text=True,
+        text=not raw,
         timeout=timeout,
         env={**os.environ, "CHATML_HOME": os.environ["CHATML_HOME"]},
     )
+    if raw:
+        r.stdout, r.stderr = (b.decode("utf-8", "replace") for b in (r.stdout, r.stderr))
+    return r
 
 
 def new_id(prefix: str) -> str:
@@ -70,15 +75,25 @@ def test_double_slash_sends_a_question_that_starts_with_a_slash():
 
 
 def test_no_history_sends_independent_prompts():
-    sid = new_id("nohist")
-    r = chatml("chat", "--no-history", "--max-tokens", "3", "--session", sid,
-               stdin="Hello\nHello\nHello\n")  # fmt: skip
+    r = chatml("chat", "--no-history", "--max-tokens", "3", stdin="Hello\nHello\nHello\n/save\n")
     assert r.returncode == 0, r.stderr
-    log = turns(sid)
-    assert len(log) == 3 and len(STATS.findall(r.stdout)) == 3
-    assert log[0]["prompt_ids"] == log[1]["prompt_ids"] == log[2]["prompt_ids"]
-    assert [t["index"] for t in log] == [0, 0, 0]
-    assert SessionStore().read(sid).history == [log[2]["messages"]]
+    prompts = [int(m[0]) for m in STATS.findall(r.stdout)]
+    assert len(prompts) == 3 and prompts[0] == prompts[1] == prompts[2]
+    assert "--no-history keeps no conversation to save" in r.stderr
+
+
+def test_no_history_with_a_session_is_refused_and_the_conversation_kept():
+    sid = new_id("nh")
+    first = chatml("chat", "--session", sid, "--max-tokens", "4", stdin="one\ntwo\nthree\n")
+    assert first.returncode == 0, first.stderr
+    before = (SessionStore().path(sid) / "log.jsonl").read_bytes()
+    r = chatml("chat", "--session", sid, "--no-history", "--max-tokens", "4", stdin="q\n")
+    assert r.returncode == 2 and "--no-history cannot be used with --session" in r.stderr
+    assert (SessionStore().path(sid) / "log.jsonl").read_bytes() == before
+    again = chatml("chat", "--session", sid, "--max-tokens", "4", stdin="four\n")
+    assert "3 exchanges resumed" in again.stderr
+    shown = json.loads(chatml("sessions", "show", sid, "--json").stdout)
+    assert [ex[0]["content"] for ex in shown["history"]] == ["one", "two", "three", "four"]
 
 
 def test_prompt_with_no_history_is_a_usage_error():
@@ -208,3 +223,177 @@ def test_traversal_ids_are_usage_errors(bad):
     assert r.returncode == 2 and "invalid session id" in r.stderr
     r = chatml("sessions", "rm", bad)
     assert r.returncode == 2 and "invalid session id" in r.stderr
+
+
+# ----- hardening: undecodable input, symlinks, limits, broken pipes ------------------------
+
+BAD_BYTES = [b"\xff\xfe", b"caf\xe9", b"\xe4\xbd", b"\xc0\xaf", b"\xed\xa0\x80", b"\x80"]
+
+
+@pytest.mark.parametrize("bad", BAD_BYTES, ids=lambda b: b.hex())
+def test_an_undecodable_pipe_line_is_one_error_and_the_rest_is_answered(bad):
+    sid = new_id("utf8")
+    r = chatml("chat", "--max-tokens", "3", "--session", sid,
+               stdin=b"good\nbad " + bad + b" line\n/save " + bad + b"\nafter\n")  # fmt: skip
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "input line 2 is not valid UTF-8" in r.stderr
+    assert "input line 3 is not valid UTF-8" in r.stderr
+    assert len(STATS.findall(r.stdout)) == 2
+    assert [t["messages"][0]["content"] for t in turns(sid)] == ["good", "after"]
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["-p", b"\xff"], "--prompt"),
+        (["-p", b"caf\xe9?"], "--prompt"),
+        (["--session", "S", "--system", b"caf\xe9"], "--system"),
+        (["--session", b"s\xff", "-p", "hi"], "--session"),
+        (["--model", b"/tmp/m\xe9", "-p", "hi"], "--model"),
+    ],
+)
+def test_undecodable_arguments_are_usage_errors_that_write_nothing(args, flag):
+    sid = new_id("arg")
+    args = [sid if a == "S" else a for a in args]
+    r = chatml("chat", *args)
+    assert r.returncode == 2 and f"chatml chat: {flag} is not valid UTF-8" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert not SessionStore().path(sid).exists()
+
+
+def test_symlinked_session_folders_are_refused(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "log.jsonl").write_text("precious\n")
+    sid = new_id("link")
+    root = SessionStore().root
+    root.mkdir(parents=True, exist_ok=True)
+    (root / sid).symlink_to(elsewhere, target_is_directory=True)
+    try:
+        for args in (["chat", "--session", sid, "-p", "hi", "--max-tokens", "2"],
+                     ["sessions", "rm", sid], ["sessions", "show", sid]):  # fmt: skip
+            r = chatml(*args)
+            assert r.returncode == 2 and "is a symbolic link" in r.stderr, (args, r.stderr)
+            assert "Traceback" not in r.stderr
+        listed = chatml("sessions", "list")
+        assert listed.returncode == 0 and sid not in listed.stdout
+        assert [p.name for p in elsewhere.iterdir()] == ["log.jsonl"]
+        assert (elsewhere / "log.jsonl").read_text() == "precious\n"
+    finally:
+        (root / sid).unlink()
+
+
+@pytest.mark.parametrize("extra, verb", [(0, "fills"), (1, "exceeds"), (30_000, "exceeds")])
+def test_max_tokens_beyond_the_context_window_is_a_usage_error(tiny, extra, verb):
+    window, sid = tiny.entry.context_window, new_id("window")
+    r = chatml("chat", "--max-tokens", str(window + extra), "-p", "hi", "--session", sid)
+    assert r.returncode == 2 and not SessionStore().path(sid).exists(), r.stderr
+    assert (f"--max-tokens {window + extra} {verb} the context window of tiny ({window} tokens)"
+            in r.stderr)  # fmt: skip
+    assert "budget" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["sessions", "show", "SID", "--json"],
+        ["sessions", "list"],
+        ["sessions", "show", "SID"],
+        ["models"],
+        ["chat", "-p", "Hi", "--max-tokens", "3"],
+    ],  # fmt: skip
+)
+def test_a_reader_that_goes_away_ends_the_command_quietly(args):
+    sid = new_id("pipe")
+    assert chatml("chat", "--session", sid, "--max-tokens", "2", stdin="Hello\n").returncode == 0
+    child = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", *[sid if a == "SID" else a for a in args]],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "CHATML_HOME": os.environ["CHATML_HOME"]},
+    )  # fmt: skip
+    child.stdout.close()  # `| head -c 0`: every write the command makes finds no reader
+    err = child.stderr.read().decode()
+    assert child.wait(120) == 141 and err == "", err
+
+
+# ----- a newcomer's rough edges -----------------------------------------------------------
+
+
+def test_version_and_help_show_defaults():
+    version = chatml("--version")
+    assert version.returncode == 0 and re.fullmatch(r"chatml \d+\.\d+\.\d+\S*\n", version.stdout)
+    help_text = " ".join(chatml("chat", "--help").stdout.split())
+    for option, default in (("--max-tokens", "256"), ("--temperature", "0.0"),
+                            ("--max-exchanges", "6"), ("--model", "tiny")):  # fmt: skip
+        assert re.search(rf"{option} \S+ .*?\(default: [^)]*{default}", help_text), option
+
+
+def test_bench_help_lists_every_benchmark():
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    runnable = {p.stem for p in bench.glob("*.py") if "\ndef main(" in p.read_text()}
+    assert {"prefill", "report", "replay", "throughput", "kernels", "render"} <= runnable
+    out = chatml("bench", "--help").stdout
+    listed = set(re.findall(r"^  (\w+)  ", out, re.M))
+    assert runnable <= listed, runnable - listed
+    unknown = chatml("bench", "nope")
+    assert unknown.returncode == 2 and "known: " in unknown.stderr and "prefill" in unknown.stderr
+
+
+def test_a_new_session_says_where_it_is_saved_and_show_has_no_none():
+    sid = new_id("where")
+    r = chatml("chat", "--session", sid, "--max-tokens", "2", stdin="Hello\n/stats\n")
+    assert r.returncode == 0, r.stderr
+    assert f"[session {sid}: new, saved in {SessionStore().path(sid)}]" in r.stderr
+    assert "this run: 1 answer;" in r.stdout and "1 exchange in the conversation" in r.stdout
+    assert "dropped 0 exchanges]" in r.stdout
+    again = chatml("chat", "--session", sid, "--max-tokens", "2", stdin="Again\n")
+    assert "new, saved" not in again.stderr and "1 exchange resumed" in again.stderr
+    shown = chatml("sessions", "show", sid)
+    assert "None" not in shown.stdout and "thinking the model's default" in shown.stdout
+    assert f"{sid}" in chatml("sessions", "list").stdout
+
+
+@pytest.mark.parametrize(
+    "options, hint",
+    [
+        ((), "greedy decoding (--temperature 0) gives the same answer again"),
+        (("--temperature", "0.8", "--seed", "3"), "a fixed --seed gives the same answer again"),
+        (("--temperature", "0.8"), None),
+    ],  # fmt: skip
+)
+def test_regenerate_says_when_it_will_give_the_same_answer(options, hint):
+    sid = new_id("regen")
+    r = chatml("chat", "--session", sid, "--max-tokens", "4", *options,
+               stdin="Hello\n/regenerate\n")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    first, again = turns(sid)
+    if hint is None:
+        assert "same answer" not in r.stderr
+    else:
+        assert hint in r.stderr
+        assert first["token_ids"] == again["token_ids"]  # and it is true
+
+
+def test_a_resumed_chat_warms_before_the_first_question(tiny, tmp_path, monkeypatch):
+    from engine.chat import Chat
+    from engine.session import Session
+
+    store = SessionStore(tmp_path, warn=lambda m: None)
+    with store.open("w", tiny, system=SYSTEM) as stored:
+        for q in QUESTIONS[:2]:
+            stored.append_turn(stored.session.send(q, max_tokens=4))
+        stored.save_state()
+    # Warm synchronously: what the background thread does, done before the question arrives.
+    monkeypatch.setattr(Session, "warm_in_background", lambda self: self.warm())
+    args = SimpleNamespace(json_schema=None, max_tokens=4, temperature=0.0, seed=None,
+                           no_history=False, stats=False, warm=True)  # fmt: skip
+    with store.open("w", tiny) as stored:
+        assert stored.state_loaded
+        chat = Chat(args, tiny, stored.session, stored, store, "tiny", interactive=True)
+        chat.run(iter([QUESTIONS[2]]))
+    s = chat.last.stats
+    assert s.warm_tokens > 0  # the re-rendered last answer was prefilled before the question
+    new_message = len(tiny.tokenizer.encode(f"<|im_start|>user\n{QUESTIONS[2]}<|im_end|>\n"))
+    assert s.prefilled_tokens <= new_message + 8  # the question and the generation prompt

@@ -56,3 +56,18 @@ def test_a_bad_model_is_a_message_not_a_traceback(capsys):
     err = capsys.readouterr().err
     assert "chatml chat: /nonexistent: no such checkpoint folder" in err
     assert "Traceback" not in err
+
+
+def test_doctor_shows_the_data_folder_and_no_empty_note(capsys, monkeypatch):
+    import os
+
+    from kernels import blas
+
+    monkeypatch.setattr(blas, "measure_gflops", lambda: 1.0)  # the report, not the speed
+    monkeypatch.setattr(blas, "info", lambda: blas.BlasInfo("openblas", "scipy-openblas32", ""))
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert f"chatml_home: {os.environ['CHATML_HOME']}" in out
+    assert "blas_note" not in out and "blas_provider: scipy-openblas32" in out
+    assert main(["doctor", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["chatml_home"] == os.environ["CHATML_HOME"]

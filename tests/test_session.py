@@ -235,10 +235,11 @@ def test_a_turn_during_an_open_stream_is_refused_and_changes_nothing(tiny):
     first = next(stream)
     tokens = list(s.tokens)
     for start_another in (lambda: s.send(QUESTIONS[2]), lambda: s.stream(QUESTIONS[3]),
-                          s.regenerate, never_started.__next__):  # fmt: skip
+                          s.regenerate, never_started.__next__, s.reset, s.warm,
+                          s.warm_in_background, lambda: s.edit_last("x"),
+                          lambda: s.send_tool_results(["x"])):  # fmt: skip
         with pytest.raises(engine.TurnConflict, match="still answering"):
             start_another()
-    assert s.warm() == 0
     assert s.tokens == tokens and len(s.history) == 1
     *pieces, turn = [first, *stream]  # the open turn goes on, exact
     assert turn.text == "".join(pieces)
@@ -249,6 +250,105 @@ def test_a_turn_during_an_open_stream_is_refused_and_changes_nothing(tiny):
     with pytest.raises(engine.TurnConflict, match="made before the session's last turn"):
         next(stale)  # its prompt lacks the exchange just answered
     assert len(s.history) == 3
+
+
+def test_reset_during_an_open_stream_is_refused_and_the_session_stays_exact(tiny):
+    s = tiny.session("sys")
+    st = s.stream("Hello", max_tokens=MAX_TOKENS)
+    next(st)
+    with pytest.raises(engine.TurnConflict, match="still answering"):
+        s.reset()
+    *_, first = st
+    assert len(s.history) == 1 and first.token_ids == fresh_greedy(tiny, first.prompt_ids)[0]
+    nxt = s.send("next", max_tokens=MAX_TOKENS)  # used to fail: no recurrent state recorded
+    assert nxt.token_ids == fresh_greedy(tiny, nxt.prompt_ids, MAX_TOKENS)[0]
+    assert nxt.stats.reused_tokens > 0 and len(s.history) == 2
+
+
+def test_reset_makes_a_stream_made_before_it_stale(tiny):
+    s = tiny.session("sys")
+    s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    old = s.stream(QUESTIONS[1], max_tokens=MAX_TOKENS)  # its prompt holds the first exchange
+    s.reset()
+    with pytest.raises(engine.TurnConflict, match="made before the session's last turn"):
+        next(old)
+    assert s.history == [] and s.tokens == []
+    turn = s.send(QUESTIONS[1], max_tokens=MAX_TOKENS)
+    assert QUESTIONS[0] not in tiny.tokenizer.decode(turn.prompt_ids)
+    assert turn.token_ids == fresh_greedy(tiny, turn.prompt_ids, MAX_TOKENS)[0]
+
+
+def _pending_tool_call(eng, s, monkeypatch):
+    thinks = s.render([{"role": "user", "content": "q"}], 1).text.endswith("<think>\n")
+    text = ("I should look it up.\n</think>\n\n" if thinks else "") + TOOL_CALL
+    monkeypatch.setattr("engine.session.Sampler", lambda p: ScriptedSampler(eng, text))
+    call = s.send(QUESTIONS[1], max_tokens=200, tools=TOOLS)
+    monkeypatch.setattr("engine.session.Sampler", Sampler)
+    assert call.tool_calls and s.pending
+
+
+@pytest.mark.parametrize(
+    "make_bad",
+    [
+        lambda s: s.send("\ud800"),
+        lambda s: s.send("caf\udce9 au lait"),  # what surrogateescape makes of Latin-1 bytes
+        lambda s: s.stream("ok", tools=[{**TOOLS[0], "function": {"name": "f\udcff"}}]),
+        lambda s: s.send(
+            "ok",
+            tools=[
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"properties": {"\udc80": {}}}},
+                }
+            ],
+        ),  # fmt: skip
+        lambda s: s.edit_last("\udfff"),
+        lambda s: s.send_tool_results(["\ud800"]),
+        lambda s: s.send_tool_results([{"content": "21", "name": "w\udc00"}]),
+    ],
+    ids=[
+        "text",
+        "escaped-bytes",
+        "tool-name",
+        "tool-key",
+        "edit",
+        "tool-result",
+        "tool-result-field",
+    ],  # fmt: skip
+)
+def test_lone_surrogates_anywhere_are_a_value_error_that_changes_nothing(tiny, monkeypatch,
+                                                                         make_bad):  # fmt: skip
+    s = tiny.session("sys")
+    s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    _pending_tool_call(tiny, s, monkeypatch)
+    history, pending = [list(e) for e in s.history], list(s.pending)
+    tokens, snaps = list(s.tokens), dict(s.seq.snapshots)
+    try:
+        make_bad(s)
+    except ValueError as e:
+        assert "lone surrogate" in str(e)
+    else:
+        pytest.fail("no ValueError")
+    assert s.history == history and s.pending == pending
+    assert s.tokens == tokens and s.seq.snapshots == snaps
+
+
+@pytest.mark.parametrize("where", ["system", "tools"])
+def test_lone_surrogates_in_session_options_raise_when_the_session_is_made(tiny, where):
+    options = {"system": "caf\udce9"} if where == "system" else {
+        "tools": [{"type": "function", "function": {"name": "\ud83d"}}]}  # fmt: skip
+    with pytest.raises(ValueError, match=f"{where}.*lone surrogate"):
+        tiny.session(**options)
+
+
+@pytest.mark.parametrize("extra", [0, 1, 30_000])
+def test_max_tokens_beyond_the_context_window_says_so(tiny, extra):
+    s = tiny.session("sys", context_window=300)
+    verb = "fills" if extra == 0 else "exceeds"
+    with pytest.raises(ValueError, match=f"max_tokens {300 + extra} {verb} the context window "
+                                         r"\(300 tokens\)"):  # fmt: skip
+        s.send("hi", max_tokens=300 + extra)
+    assert s.history == [] and s.tokens == []
 
 
 @pytest.mark.parametrize(

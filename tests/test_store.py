@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.storage.session_log import read_log
+from engine.storage.session_log import encode_record, read_log
 from engine.storage.state_file import SNAPSHOTS_KEPT, read_header
 from engine.storage.store import LOG, STATE, SessionBusy, SessionIdError, SessionStore, check_id
 
@@ -330,3 +330,116 @@ def test_bfloat16_arrays_round_trip_bit_exactly():
     b = _to_mlx(arr, view)
     assert view == "bfloat16" and b.dtype == mx.bfloat16
     assert mx.array_equal(a.view(mx.uint16), b.view(mx.uint16)).item()
+
+
+# ----- records with a valid checksum but a bad content ------------------------------------
+
+U, A = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}
+CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"type": "function", "function": {"name": "f", "arguments": {}}}]}  # fmt: skip
+TOOL = {"role": "tool", "content": "21"}
+BAD_TURNS = {
+    "no answer": {"messages": [U]},
+    "only an answer": {"messages": [A]},
+    "two questions": {"messages": [U, U, A]},
+    "answer first": {"messages": [A, U]},
+    "system inside": {"messages": [{"role": "system", "content": "s"}, U, A]},
+    "unknown role": {"messages": [U, {"role": "bot", "content": "a"}]},
+    "content not text": {"messages": [U, {"role": "assistant", "content": 5}]},
+    "empty question": {"messages": [{"role": "user", "content": " "}, A]},
+    "message not a dict": {"messages": [U, "a"]},
+    "calls without results": {"messages": [U, CALL, A]},
+    "ends with calls": {"messages": [U, CALL]},
+    "ends with a result": {"messages": [U, CALL, TOOL]},
+    "pending without calls": {"messages": [U, A], "pending": True},
+    "pending after a result": {"messages": [U, CALL, TOOL], "pending": True},
+    "bad tool call": {"messages": [U, {**CALL, "tool_calls": ["f"]}, TOOL, A]},
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_TURNS), ids=list(BAD_TURNS))
+def test_a_checksummed_but_invalid_exchange_is_skipped_like_a_corrupt_line(tiny, store, saved,
+                                                                           bad):  # fmt: skip
+    log = _clone(store, saved, "inv") / LOG
+    with log.open("ab") as f:  # a good checksum: only the content can tell
+        f.write(encode_record({"type": "turn", "n": 4, "index": 3, **BAD_TURNS[bad]}))
+    with store.open("inv", tiny) as s:
+        assert [ex[0]["content"] for ex in s.session.history] == QUESTIONS[:3]
+        assert s.state_loaded  # the bad record names no state: the last good one's holds
+        assert len(s.session.send(QUESTIONS[3], max_tokens=MAX).token_ids) > 0
+    assert any("skipped line 5" in w and "exchange" in w for w in store.warn), store.warn
+
+
+def test_good_tool_exchanges_replay(tmp_path):
+    log = tmp_path / LOG
+    records = [
+        {"type": "turn", "n": 1, "index": 0, "messages": [U, CALL], "pending": True},
+        {"type": "turn", "n": 2, "index": 0, "messages": [U, CALL, TOOL, CALL], "pending": True},
+        {"type": "turn", "n": 3, "index": 0, "messages": [U, CALL, TOOL, CALL, TOOL, A]},
+    ]
+    log.write_bytes(b"".join(encode_record(r) for r in records))
+    warned = Warnings()
+    assert read_log(log, warned).history == [[U, CALL, TOOL, CALL, TOOL, A]] and not warned
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"system": 5},
+        {"max_exchanges": -1},
+        {"max_exchanges": "6"},
+        {"enable_thinking": "yes"},
+        {"model": ["tiny"]},
+    ],  # fmt: skip
+)
+def test_a_checksummed_option_of_the_wrong_type_is_skipped(tiny, store, saved, option):
+    log = _clone(store, saved, "opt") / LOG
+    with log.open("ab") as f:
+        f.write(encode_record({"type": "options", **option}))
+    with store.open("opt", tiny) as s:
+        assert s.session.system == SYSTEM and s.session.max_exchanges == 6
+        assert s.session.enable_thinking is None and len(s.session.history) == 3
+    assert any("bad option" in w for w in store.warn)
+
+
+# ----- symbolic links ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("link", ["folder", LOG, STATE, "lock"])
+def test_symlinks_out_of_the_sessions_folder_are_refused(tiny, store, saved, tmp_path, link):
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(saved.dir, elsewhere)
+    before = {p.name: p.read_bytes() for p in elsewhere.iterdir()}
+    if link == "folder":
+        store.root.mkdir(parents=True)
+        (store.root / "x").symlink_to(elsewhere, target_is_directory=True)
+    else:
+        shutil.copytree(saved.dir, store.root / "x")
+        (store.root / "x" / link).unlink(missing_ok=True)
+        (store.root / "x" / link).symlink_to(elsewhere / link)
+    for use in (lambda: store.open("x", tiny), lambda: store.remove("x"),
+                lambda: store.read("x"), lambda: store.exists("x")):  # fmt: skip
+        with pytest.raises(SessionIdError, match="symbolic link"):
+            use()
+    assert "x" not in store.ids() and any("symbolic link" in w for w in store.warn)
+    assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == before
+
+
+def test_a_symlinked_sessions_folder_itself_is_the_users_choice(tiny, tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "sessions").symlink_to(tmp_path / "real", target_is_directory=True)
+    store = SessionStore(tmp_path / "home", warn=Warnings())
+    with store.open("s", tiny, system=SYSTEM) as s:
+        _turns(s, QUESTIONS[:1])
+    assert store.ids() == ["s"] and (tmp_path / "real" / "s" / LOG).is_file()
+    store.remove("s")
+    assert not (tmp_path / "real" / "s").exists()
+
+
+def test_a_session_that_cannot_be_created_leaves_nothing_on_disk(tiny, store):
+    with pytest.raises(ValueError, match="lone surrogate"):
+        store.open("new", tiny, system="caf\udce9")  # what `--system $'caf\xe9'` becomes
+    assert not store.path("new").exists() and store.ids() == []
+    with store.open("new", tiny, system="café") as s:  # the id is free for a good one
+        assert s.session.system == "café"

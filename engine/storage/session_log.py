@@ -14,6 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from renderer import RenderError, validate_exchange
+from renderer.validation import validate_message
+
 OPTIONS = ("model", "system", "max_exchanges", "enable_thinking")
 
 
@@ -29,12 +32,34 @@ def encode_record(record: dict) -> bytes:
     return (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
 
 
-def _valid_messages(msgs) -> bool:
-    return (
-        isinstance(msgs, list)
-        and bool(msgs)
-        and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs)
-    )
+def _exchange_problem(msgs, pending: bool) -> str | None:
+    """Why a turn's messages are not an exchange the renderer accepts, or None: a user
+    message, tool rounds, and the final answer (a pending one ends with its tool calls)."""
+    if not isinstance(msgs, list) or not msgs:
+        return "turn without messages"
+    try:
+        if not pending:
+            validate_exchange(msgs, where="exchange")
+            return None
+        validate_exchange(msgs[:-1], complete=False, where="exchange")
+        last = validate_message(msgs[-1], len(msgs) - 1, where="exchange")
+        if last["role"] != "assistant" or not last.get("tool_calls"):
+            return "invalid exchange: a pending turn must end with the assistant's tool calls"
+    except (RenderError, TypeError, AttributeError) as e:
+        return f"invalid exchange: {e}"
+    return None
+
+
+def _options_problem(rec: dict) -> str | None:
+    """Why a header or options record holds an option of the wrong type, or None."""
+    for key, ok in (("model", str), ("system", str), ("max_exchanges", int),
+                    ("enable_thinking", bool)):  # fmt: skip
+        value = rec.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, ok) or (ok is int and (isinstance(value, bool) or value < 0)):
+            return f"bad option {key}={value!r}"
+    return None
 
 
 def _check_record(rec) -> str | None:
@@ -44,10 +69,11 @@ def _check_record(rec) -> str | None:
     if "sum" in rec and rec["sum"] != _checksum(rec):
         return "checksum mismatch"
     if rec["type"] == "turn":
-        if not _valid_messages(rec.get("messages")):
-            return "turn without messages"
         if not isinstance(rec.get("index"), int) or rec["index"] < 0:
             return "turn without index"
+        return _exchange_problem(rec.get("messages"), bool(rec.get("pending")))
+    if rec["type"] in ("session", "options"):
+        return _options_problem(rec)
     return None
 
 

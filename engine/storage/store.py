@@ -12,6 +12,9 @@ Layout of `<CHATML_HOME>/sessions/<id>/`:
   ones the last good log record names; otherwise the history is rebuilt from the log and the
   next turn prefills it. The log is the truth; the state is only ever a shortcut.
 - `lock`: held (flock) while a process has the session open, so two never interleave.
+
+A session folder, or a file in it, that is a symbolic link is refused, never followed: the
+store reads, writes and deletes only inside `<CHATML_HOME>/sessions`.
 """
 
 from __future__ import annotations
@@ -90,10 +93,22 @@ class SessionStore:
         self.warn: Callable[[str], None] = _default_warn if warn is None else warn
 
     def path(self, session_id: str) -> Path:
-        """The folder of `session_id`, validated to be a direct child of the sessions folder."""
+        """The folder of `session_id`, validated to be a direct child of the sessions folder.
+
+        A folder (or one of its files) that is a symbolic link or resolves elsewhere is refused
+        with `SessionIdError`: following it would write or delete files outside the store.
+        """
         p = self.root / check_id(session_id)
         if p.parent != self.root:  # belt and braces: the id pattern already rules this out
             raise SessionIdError(f"invalid session id {session_id!r}")
+        for link in (p, p / LOG, p / STATE, p / LOCK):
+            if link.is_symlink():
+                raise SessionIdError(
+                    f"session {session_id!r}: {link} is a symbolic link; refusing to follow it "
+                    f"out of {self.root}"
+                )
+        if p.exists() and p.resolve().parent != self.root.resolve():
+            raise SessionIdError(f"session {session_id!r}: {p} resolves outside {self.root}")
         return p
 
     def exists(self, session_id: str) -> bool:
@@ -102,9 +117,18 @@ class SessionStore:
     def ids(self) -> list[str]:
         if not self.root.is_dir():
             return []
-        return sorted(
-            p.name for p in self.root.iterdir() if _ID.fullmatch(p.name) and (p / LOG).is_file()
-        )
+        out = []
+        for p in self.root.iterdir():
+            if not _ID.fullmatch(p.name):
+                continue
+            try:
+                self.path(p.name)
+            except SessionIdError as e:  # a symlink: listed as a warning, never followed
+                self.warn(f"skipped {e}")
+                continue
+            if (p / LOG).is_file():
+                out.append(p.name)
+        return sorted(out)
 
     def read(self, session_id: str) -> SessionLog:
         """The log of `session_id` (empty if there is none), without loading any model."""
@@ -125,11 +149,14 @@ class SessionStore:
         `options` go to `Engine.session`; `system`, `max_exchanges` and `enable_thinking`
         default to the stored ones (None means "as stored"), and a change is logged.
         """
+        new = not self.path(session_id).exists()
         stored = StoredSession(self, session_id, engine)
         try:
             stored._load(model, options)
         except BaseException:
             stored.close()
+            if new:  # e.g. a bad option: leave no empty session folder or log behind
+                shutil.rmtree(stored.dir, ignore_errors=True)
             raise
         return stored
 
@@ -140,6 +167,7 @@ class SessionStore:
         """
         if self.exists(session_id):
             raise FileExistsError(f"session {session_id!r} already exists")
+        new = not self.path(session_id).exists()
         stored = StoredSession(self, session_id, session.engine)
         try:
             stored.session = session
@@ -152,6 +180,8 @@ class SessionStore:
             stored.save_state()
         except BaseException:
             stored.close()
+            if new:
+                shutil.rmtree(stored.dir, ignore_errors=True)
             raise
         return stored
 
@@ -159,7 +189,7 @@ class SessionStore:
 @contextlib.contextmanager
 def _locked(path: Path, session_id: str):
     path.mkdir(parents=True, exist_ok=True)
-    f = open(path / LOCK, "a+b")  # noqa: SIM115 (held for the session's lifetime elsewhere)
+    f = _open_nofollow(path / LOCK, os.O_RDWR)  # held for the session's lifetime elsewhere
     try:
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -168,6 +198,12 @@ def _locked(path: Path, session_id: str):
         yield f
     finally:
         f.close()
+
+
+def _open_nofollow(path: Path, flags: int):
+    """Open (creating) a binary file, refusing a symbolic link: the store writes only its own."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+    return os.fdopen(fd, "r+b" if flags & os.O_RDWR else "ab")
 
 
 class StoredSession:
@@ -231,9 +267,7 @@ class StoredSession:
 
     def _create(self, model: str | None) -> None:
         s = self.session
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._open_log()
-        self._append(
+        header = self._encode(  # first: a header that cannot be written leaves no file behind
             {
                 "type": "session",
                 "format": FORMAT,
@@ -246,12 +280,15 @@ class StoredSession:
                 "enable_thinking": s.enable_thinking,
             }
         )
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._open_log()
+        self._write(header)
         _fsync_dir(self.dir)
         _fsync_dir(self.store.root)
 
     def _open_log(self) -> None:
         path = self.dir / LOG
-        self._log = open(path, "ab")  # noqa: SIM115 (kept open for the session's lifetime)
+        self._log = _open_nofollow(path, os.O_WRONLY | os.O_APPEND)  # kept open while in use
         # A crash mid-line leaves no newline: end that line so the next record starts clean.
         if path.stat().st_size:
             with open(path, "rb") as f:
@@ -266,10 +303,15 @@ class StoredSession:
         self._log.flush()
         os.fsync(self._log.fileno())
 
+    @staticmethod
+    def _encode(record: dict) -> bytes:
+        return encode_record({**record, "time": time.time()})
+
     def _append(self, record: dict) -> None:
+        data = self._encode(record)  # before writing: a record that cannot be encoded is no line
         if self._log is None:
             raise ValueError(f"session {self.id!r} is closed")
-        self._write(encode_record({**record, "time": time.time()}))
+        self._write(data)
 
     def append_turn(self, turn, *, messages=None, index: int | None = None, key="live") -> None:
         """Log a completed turn (call right after it finishes, before `save_state`).
