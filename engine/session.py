@@ -86,7 +86,7 @@ class Session:
         _check_options(system, tools, enable_thinking, preserve_thinking, max_exchanges,
                        max_tokens, context_window)  # fmt: skip
         # "text": special token strings in message text stay text (no role forgery); "parse":
-        # they become control tokens, as in transformers. Answers are always as generated.
+        # they become control tokens, as in transformers (README: Special tokens in messages).
         self.special_tokens_in_content = check_special_mode(special_tokens_in_content)
         self.engine = engine
         self.system = system

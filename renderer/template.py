@@ -52,10 +52,9 @@ class RenderedParts:
     text lives in `header`).
 
     `header_spans` and `message_spans[i]` are the (start, end) offsets, in that piece, of
-    message text: the content of system, user and tool messages (image and video placeholders
-    excepted), tool definitions, tool-call names and arguments. The rest is the template's
-    markup, or the assistant's content and reasoning: the model's own output, which must
-    tokenize back to what it generated, special tokens included.
+    message text: every message's content (image and video placeholders excepted), the
+    assistant's reasoning, tool definitions, tool-call names and arguments. The rest is the
+    template's own markup.
     """
 
     header: str
@@ -100,6 +99,23 @@ class _Piece:
         return "".join(self.parts), tuple(self.spans)
 
 
+Marks = list[tuple[int, int]]  # placeholders (markup) inside a message text
+
+
+def _cut(text: str, marks: Marks, start: int, end: int) -> tuple[str, Marks]:
+    """text[start:end] and the marks within it."""
+    return text[start:end], [(a - start, b - start) for a, b in marks if start <= a and b <= end]
+
+
+def _strip(
+    text: str, marks: Marks, chars: str | None = None, left: bool = True, right: bool = True
+) -> tuple[str, Marks]:
+    """str.strip / lstrip / rstrip, keeping the marks (placeholders are never stripped)."""
+    start = len(text) - len(text.lstrip(chars)) if left else 0
+    end = len(text.rstrip(chars)) if right else len(text)
+    return _cut(text, marks, start, max(start, end))
+
+
 def _content(
     message: Any,
     index: int,
@@ -107,15 +123,14 @@ def _content(
     counter: VisionCounter | None = None,
     add_vision_id: bool = False,
     is_system: bool = False,
-) -> tuple[str, list[tuple[int, int]]]:
+) -> tuple[str, Marks]:
     """The message's content as the template prints it (trimmed), and its placeholders."""
-    marks: list[tuple[int, int]] = []
+    marks: Marks = []
     raw = render_content(
         attr(message, "content"), index, counter=counter, add_vision_id=add_vision_id,
         is_system=is_system, marks=marks,
     )  # fmt: skip
-    lead = len(raw) - len(raw.lstrip())  # placeholders are never whitespace: none is cut
-    return raw.strip(), [(a - lead, b - lead) for a, b in marks]
+    return _strip(raw, marks)
 
 
 def _reasoning_field(message: Mapping) -> Any:
@@ -247,21 +262,29 @@ def _argument_text(value: Any, spec: Variant, index: int, j: int, key: str) -> s
 
 
 def _assistant(
-    message: Mapping, content: str, index: int, with_think: bool, spec: Variant
+    message: Mapping, content: str, marks: Marks, index: int, with_think: bool, spec: Variant
 ) -> _Piece:
-    reasoning = _reasoning_field(message)
+    reasoning, reasoning_marks = _reasoning_field(message), []
     if not isinstance(reasoning, str):
         reasoning = ""
         if "</think>" in content:
-            reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-            content = content.split("</think>")[-1].lstrip("\n")
-    reasoning = reasoning.strip()
-    # Content and reasoning are the model's own output: not message text (see RenderedParts).
+            # The template's cuts: content.split("</think>")[0].rstrip("\n")
+            # .split("<think>")[-1].lstrip("\n") and content.split("</think>")[-1].lstrip("\n").
+            head = _cut(content, marks, 0, content.index("</think>"))
+            head = _strip(*head, "\n", left=False)
+            opened = head[0].rfind("<think>")
+            head = _cut(*head, opened + len("<think>") if opened >= 0 else 0, len(head[0]))
+            reasoning, reasoning_marks = _strip(*head, "\n", right=False)
+            tail = _cut(content, marks, content.rindex("</think>") + len("</think>"), len(content))
+            content, marks = _strip(*tail, "\n", right=False)
+    reasoning, reasoning_marks = _strip(reasoning, reasoning_marks)
     piece = _Piece()
+    piece.markup(ASSISTANT_HEAD)
     if with_think:
-        piece.markup(ASSISTANT_HEAD + "<think>\n" + reasoning + "\n</think>\n\n" + content)
-    else:
-        piece.markup(ASSISTANT_HEAD + content)
+        piece.markup("<think>\n")
+        piece.text(reasoning, reasoning_marks)
+        piece.markup("\n</think>\n\n")
+    piece.text(content, marks)
     _tool_calls(message, content, index, spec, piece)
     piece.markup("<|im_end|>\n")
     return piece
@@ -307,7 +330,7 @@ def render_parts(
             piece.markup("<|im_end|>\n")
         elif role == "assistant":
             with_think = keep_all_thinking or i > last_query
-            piece = _assistant(message, content, i, with_think, spec)
+            piece = _assistant(message, content, marks, i, with_think, spec)
         elif role == "tool":
             # Consecutive tool results share one user turn. `loop.previtem` is falsy for the
             # first message (and for an empty dict), so a leading tool message gets no header.
