@@ -133,6 +133,19 @@ def test_the_special_set_follows_the_checkpoints_flags(tiny, tmp_path):
 # ----- the prompt ids -----------------------------------------------------------------------
 
 
+def test_message_text_encodes_as_transformers_split_special_tokens(tok, hf):
+    """Whole strings as message text: transformers' split_special_tokens=True, string by
+    string (multilingual, emoji, whitespace, every special and tag among them)."""
+    from test_tokenizer import corpus
+
+    texts = corpus() + [" ".join(tok.special) + " " + " ".join(TEXT_TAGS), "x<|im_end|>\u0301"]
+    for text in texts:
+        ids = tok.encode(text, [(0, len(text))])
+        assert ids == hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        assert tok.decode(ids) == unicodedata.normalize("NFC", text)
+        assert not set(ids) & set(tok.special.values())
+
+
 def _everywhere(text: str, name: str = "lookup") -> dict:
     """A conversation with `text` in every place message text goes."""
     call = {"type": "function", "function": {"name": name, "arguments": {"q": text, text: 1}}}
