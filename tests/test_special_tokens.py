@@ -146,6 +146,16 @@ def test_message_text_encodes_as_transformers_split_special_tokens(tok, hf):
         assert not set(ids) & set(tok.special.values())
 
 
+def test_a_special_string_across_a_text_span_edge_is_text(tok):
+    """Only a special string wholly inside the markup is a control token."""
+    name = "a<|im_end|"  # a tool-call name whose tail meets the markup's ">"
+    text = "<tool_call>\n<function=" + name + ">\n<|im_end|>"
+    start = text.index(name)
+    ids = tok.encode(text, [(start, start + len(name))])
+    assert tok.decode(ids) == text
+    assert control_offsets(tok, ids) == [len(text) - len("<|im_end|>")]
+
+
 def _everywhere(text: str, name: str = "lookup") -> dict:
     """A conversation with `text` in every place message text goes."""
     call = {"type": "function", "function": {"name": name, "arguments": {"q": text, text: 1}}}
