@@ -397,6 +397,7 @@ def test_server_default_and_parse_option(tiny, tok, hf, mode):
     assert served.ids == expected.ids and r.usage.prompt_tokens == len(expected.ids)
     assert r.choices[0].message.content == _fresh_answer(tiny, expected)
     text = tok.decode(expected.ids)
+    assert text == render_messages(SERVER_MESSAGES)  # the exact text, whichever the mode
     if mode == "text":
         clean = deep_fill(tok, SERVER_MESSAGES)
         reference = Renderer(tiny, mode).render(parse_request({"messages": clean}))
