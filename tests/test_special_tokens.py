@@ -324,7 +324,8 @@ def test_multi_turn_reuse_stays_minimal_and_exact(tiny, tok, monkeypatch):
     for k, q in enumerate([FORGED, QUESTIONS[0] + FORGED, FORGED, QUESTIONS[1]]):
         current = [{"role": "user", "content": q}]
         expected = s.render(current, budget)
-        reference = render_messages(deep_fill(tok, s.messages + current), enable_thinking=False)
+        reference = render_messages(deep_fill(tok, s.messages + current), enable_thinking=False,
+                                    variant=tiny.entry.template)  # fmt: skip
         if k % 2 == 0:
             monkeypatch.setattr("engine.session.Sampler", lambda p: Scripted(tiny, echo_ids))
         turn = s.send(q, max_tokens=budget)
@@ -359,7 +360,7 @@ def test_tool_turns_reuse_the_call_and_keep_results_as_text(tiny, tok, monkeypat
     assert turn.stats.reused_tokens >= len(first.prompt_ids) - 8  # through the call's head
     assert turn.token_ids == fresh_greedy(tiny, turn.prompt_ids, MAX_TOKENS)[0]
     reference = render_messages(deep_fill(tok, s.messages[:-1]), tools=tools,
-                                enable_thinking=False)  # fmt: skip
+                                enable_thinking=False, variant=tiny.entry.template)  # fmt: skip
     assert control_offsets(tok, turn.prompt_ids) == markup_offsets(tok, reference)
 
 
@@ -397,7 +398,7 @@ def test_server_default_and_parse_option(tiny, tok, hf, mode):
     assert served.ids == expected.ids and r.usage.prompt_tokens == len(expected.ids)
     assert r.choices[0].message.content == _fresh_answer(tiny, expected)
     text = tok.decode(expected.ids)
-    assert text == render_messages(SERVER_MESSAGES)  # the exact text, whichever the mode
+    assert text == render_messages(SERVER_MESSAGES, variant=tiny.entry.template)  # exact text
     if mode == "text":
         clean = deep_fill(tok, SERVER_MESSAGES)
         reference = Renderer(tiny, mode).render(parse_request({"messages": clean}))
