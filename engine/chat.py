@@ -67,6 +67,9 @@ def add_chat_parser(sub) -> None:
     c.add_argument("--json-schema", default=None, metavar="FILE",
                    help="answers must be JSON valid against this JSON Schema")  # fmt: skip
     c.add_argument("-p", "--prompt", default=None, help="ask one question and exit")
+    c.add_argument("--parse-special-in-content", action="store_true",
+                   help="special tokens typed in messages (<|im_end|>...) become control tokens "
+                        "(default: ordinary text)")  # fmt: skip
     c.set_defaults(func=run_chat)
 
 
@@ -451,8 +454,9 @@ def run_chat(args) -> int:
              f"{model} ({window} tokens)")  # fmt: skip
         return 2
     stored = None
+    special = "parse" if args.parse_special_in_content else "text"
     options = dict(system=args.system, max_exchanges=args.max_exchanges,
-                   enable_thinking=args.thinking)  # fmt: skip
+                   enable_thinking=args.thinking, special_tokens_in_content=special)  # fmt: skip
     if args.session is not None:
         new = not store.exists(args.session)
         try:

@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cached sequences kept for reuse")  # fmt: skip
     s.add_argument("--max-tokens", type=number(1), default=512,
                    help="answer limit if a request has none")  # fmt: skip
+    s.add_argument("--parse-special-in-content", action="store_true",
+                   help="special tokens written in message text (<|im_end|>...) become control "
+                        "tokens, as in transformers (default: ordinary text)")  # fmt: skip
     s.set_defaults(func=_serve)
     return p
 

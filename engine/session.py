@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from renderer import PromptTooLong, SegmentCache, build_prompt
 
-from .checkpoints.tokenizer import StreamDecoder
+from .checkpoints.tokenizer import StreamDecoder, check_special_mode
 from .runtime.sampling import Sampler, SamplingParams
 from .runtime.sequence import CachedSequence, Progress
 from .turn import Turn, TurnStats, parse_tool_calls, split_reasoning
@@ -105,9 +105,13 @@ class Session:
         tools: list[dict] | None = None,
         max_tokens: int = DEFAULT_MAX_TOKENS,
         context_window: int | None = None,
+        special_tokens_in_content: str = "text",
     ):
         _check_options(system, tools, enable_thinking, preserve_thinking, max_exchanges,
                        max_tokens, context_window)  # fmt: skip
+        # "text": special token strings in message text stay text (no role forgery); "parse":
+        # they become control tokens, as in transformers (README: Special tokens in messages).
+        self.special_tokens_in_content = check_special_mode(special_tokens_in_content)
         self.engine = engine
         self.system = system
         self.max_exchanges = max_exchanges
@@ -298,6 +302,7 @@ class Session:
             tools=tools,
             preserve_thinking=self.preserve_thinking,
             cache=self.segments,
+            text_spans=self.special_tokens_in_content == "text",
         )
 
     def _turn(self, current, params, max_tokens, validate, ignore_eos, tools) -> Iterator:

@@ -1,9 +1,9 @@
-"""An LRU cache from segment text to token ids."""
+"""An LRU cache from segment text (and its message-text spans) to token ids."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 
 class SegmentCache:
@@ -11,7 +11,7 @@ class SegmentCache:
 
     A long history is then tokenized once, not on every turn: only segments whose text is new
     (the new user message, the previous answer as re-rendered without its think block) go
-    through `encode`. Keyed by text alone, so use one cache per tokenizer.
+    through `encode`. Keyed by text (and spans, when given), so use one cache per tokenizer.
     """
 
     def __init__(self, maxsize: int = 1024) -> None:
@@ -20,18 +20,27 @@ class SegmentCache:
         self.maxsize = maxsize
         self.hits = 0
         self.misses = 0
-        self._data: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._data: OrderedDict[Hashable, tuple[int, ...]] = OrderedDict()
 
-    def encode(self, encode: Callable[[str], list[int]], text: str) -> tuple[int, ...]:
-        """The ids of `text`, from the cache or from `encode` (then stored)."""
-        ids = self._data.get(text)
+    def encode(
+        self, encode: Callable[..., list[int]], text: str, spans: tuple | None = None
+    ) -> tuple[int, ...]:
+        """The ids of `text`, from the cache or from `encode` (then stored).
+
+        With `spans` (where message text sits in `text`), `encode(text, spans)` is called.
+        """
+        key = text if spans is None else (text, spans)
+        ids = self._data.get(key)
         if ids is not None:
             self.hits += 1
-            self._data.move_to_end(text)
+            self._data.move_to_end(key)
             return ids
         self.misses += 1
-        ids = tuple(encode(text)) if text else ()
-        self._data[text] = ids
+        if not text:
+            ids = ()
+        else:
+            ids = tuple(encode(text) if spans is None else encode(text, spans))
+        self._data[key] = ids
         if len(self._data) > self.maxsize:
             self._data.popitem(last=False)
         return ids

@@ -102,10 +102,13 @@ def render_content(
     counter: VisionCounter | None = None,
     add_vision_id: bool = False,
     is_system: bool = False,
+    marks: list[tuple[int, int]] | None = None,
 ) -> str:
     """The template's ``render_content`` macro (not yet trimmed).
 
-    `counter` is given where the template passes ``do_vision_count=true``.
+    `counter` is given where the template passes ``do_vision_count=true``. `marks`, if given,
+    receives the (start, end) of each image/video placeholder in the result: template markup
+    (control tokens) amid the message text.
     """
     if isinstance(content, str):
         return content
@@ -127,7 +130,7 @@ def render_content(
                     counter.images += 1
                 if add_vision_id:
                     out.append(f"Picture {counter.images if counter else 0}: ")
-                out.append(IMAGE_PLACEHOLDER)
+                _placeholder(out, IMAGE_PLACEHOLDER, marks)
             elif contains(item, "video", index) or attr(item, "type") == "video":
                 if is_system:
                     raise RenderError(
@@ -137,7 +140,7 @@ def render_content(
                     counter.videos += 1
                 if add_vision_id:
                     out.append(f"Video {counter.videos if counter else 0}: ")
-                out.append(VIDEO_PLACEHOLDER)
+                _placeholder(out, VIDEO_PLACEHOLDER, marks)
             elif contains(item, "text", index):
                 out.append(to_text(attr(item, "text")))
             else:
@@ -148,3 +151,10 @@ def render_content(
     raise RenderError(
         f"Unexpected content type ({type(content).__name__}).", index=index, field="content"
     )
+
+
+def _placeholder(out: list[str], text: str, marks: list[tuple[int, int]] | None) -> None:
+    if marks is not None:
+        start = sum(map(len, out))
+        marks.append((start, start + len(text)))
+    out.append(text)

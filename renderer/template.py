@@ -3,12 +3,14 @@
 `render_parts` walks the messages exactly as the Jinja template does and returns the rendered
 text cut into pieces (system block, one piece per message, generation prompt), so that the
 window code can tokenize and cache each piece on its own. `render_messages` joins them.
+Each piece also says where message text sits in it, so that the tokenizer can keep special
+token strings in that text from becoming control tokens (role forgery).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .content import (
@@ -38,6 +40,8 @@ TOOLS_INSTRUCTIONS = (
 )
 ASSISTANT_HEAD = "<|im_start|>assistant\n"
 
+Spans = tuple[tuple[int, int], ...]
+
 
 @dataclass
 class RenderedParts:
@@ -46,16 +50,87 @@ class RenderedParts:
     ``header + "".join(messages) + generation_head + generation_think`` is the full text.
     ``messages[i]`` is the text message i contributes ('' for a leading system message, whose
     text lives in `header`).
+
+    `header_spans` and `message_spans[i]` are the (start, end) offsets, in that piece, of
+    message text: every message's content (image and video placeholders excepted), the
+    assistant's reasoning, tool definitions, tool-call names and arguments. The rest is the
+    template's own markup.
     """
 
     header: str
     messages: list[str]
     generation_head: str
     generation_think: str
+    header_spans: Spans = ()
+    message_spans: list[Spans] = field(default_factory=list)
 
     @property
     def text(self) -> str:
         return self.header + "".join(self.messages) + self.generation_head + self.generation_think
+
+
+class _Piece:
+    """One piece of the prompt being built, remembering where message text sits in it."""
+
+    __slots__ = ("parts", "spans", "size")
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.spans: list[tuple[int, int]] = []
+        self.size = 0
+
+    def markup(self, text: str) -> None:
+        self.parts.append(text)
+        self.size += len(text)
+
+    def text(self, text: str, marks: Sequence[tuple[int, int]] = ()) -> None:
+        """Message text; `marks` (offsets in `text`) are placeholders, markup within it."""
+        pos = 0
+        for start, end in [*marks, (len(text), len(text))]:
+            if start > pos:
+                a, b = self.size + pos, self.size + start
+                if self.spans and self.spans[-1][1] == a:  # adjacent: one span
+                    a = self.spans.pop()[0]
+                self.spans.append((a, b))
+            pos = end
+        self.markup(text)
+
+    def result(self) -> tuple[str, Spans]:
+        return "".join(self.parts), tuple(self.spans)
+
+
+Marks = list[tuple[int, int]]  # placeholders (markup) inside a message text
+
+
+def _cut(text: str, marks: Marks, start: int, end: int) -> tuple[str, Marks]:
+    """text[start:end] and the marks within it."""
+    return text[start:end], [(a - start, b - start) for a, b in marks if start <= a and b <= end]
+
+
+def _strip(
+    text: str, marks: Marks, chars: str | None = None, left: bool = True, right: bool = True
+) -> tuple[str, Marks]:
+    """str.strip / lstrip / rstrip, keeping the marks (placeholders are never stripped)."""
+    start = len(text) - len(text.lstrip(chars)) if left else 0
+    end = len(text.rstrip(chars)) if right else len(text)
+    return _cut(text, marks, start, max(start, end))
+
+
+def _content(
+    message: Any,
+    index: int,
+    *,
+    counter: VisionCounter | None = None,
+    add_vision_id: bool = False,
+    is_system: bool = False,
+) -> tuple[str, Marks]:
+    """The message's content as the template prints it (trimmed), and its placeholders."""
+    marks: Marks = []
+    raw = render_content(
+        attr(message, "content"), index, counter=counter, add_vision_id=add_vision_id,
+        is_system=is_system, marks=marks,
+    )  # fmt: skip
+    return _strip(raw, marks)
 
 
 def _reasoning_field(message: Mapping) -> Any:
@@ -86,29 +161,28 @@ def _tool_schemas(tools: Any) -> list:
     return schemas
 
 
-def _header(messages: Sequence, schemas: list, add_vision_id: bool) -> str:
+def _header(messages: Sequence, schemas: list, add_vision_id: bool) -> _Piece:
     first = messages[0]
     has_system = attr(first, "role") == "system"
+    piece = _Piece()
     if schemas:
-        out = ["<|im_start|>system\n", TOOLS_PREAMBLE]
+        piece.markup("<|im_start|>system\n" + TOOLS_PREAMBLE)
         for tool in schemas:
-            out.append("\n")
-            out.append(tojson(tool, field="tools"))
-        out.append(TOOLS_INSTRUCTIONS)
+            piece.markup("\n")
+            piece.text(tojson(tool, field="tools"))
+        piece.markup(TOOLS_INSTRUCTIONS)
         if has_system:
-            content = render_content(
-                attr(first, "content"), 0, is_system=True, add_vision_id=add_vision_id
-            ).strip()
+            content, marks = _content(first, 0, is_system=True, add_vision_id=add_vision_id)
             if content:
-                out.append("\n\n" + content)
-        out.append("<|im_end|>\n")
-        return "".join(out)
-    if has_system:
-        content = render_content(
-            attr(first, "content"), 0, is_system=True, add_vision_id=add_vision_id
-        ).strip()
-        return "<|im_start|>system\n" + content + "<|im_end|>\n"
-    return ""
+                piece.markup("\n\n")
+                piece.text(content, marks)
+        piece.markup("<|im_end|>\n")
+    elif has_system:
+        content, marks = _content(first, 0, is_system=True, add_vision_id=add_vision_id)
+        piece.markup("<|im_start|>system\n")
+        piece.text(content, marks)
+        piece.markup("<|im_end|>\n")
+    return piece
 
 
 def _last_query_index(messages: Sequence, add_vision_id: bool) -> int:
@@ -124,12 +198,11 @@ def _last_query_index(messages: Sequence, add_vision_id: bool) -> int:
     raise RenderError("No user query found in messages.")
 
 
-def _tool_calls(message: Mapping, content: str, index: int, spec: Variant) -> str:
+def _tool_calls(message: Mapping, content: str, index: int, spec: Variant, out: _Piece) -> None:
     calls = attr(message, "tool_calls")
     # A mapping (or an empty list) is silently ignored by the template.
     if not calls or not is_iterable_sequence(calls):
-        return ""
-    out = []
+        return
     for j, call in enumerate(calls):
         function = attr(call, "function")
         if function is not UNDEFINED:
@@ -143,12 +216,13 @@ def _tool_calls(message: Mapping, content: str, index: int, spec: Variant) -> st
                 field=f"tool_calls[{j}].function.name",
             )
         if j == 0:
-            out.append(
+            out.markup(
                 "\n\n<tool_call>\n<function=" if content.strip() else "<tool_call>\n<function="
             )
         else:
-            out.append("\n<tool_call>\n<function=")
-        out.append(name + ">\n")
+            out.markup("\n<tool_call>\n<function=")
+        out.text(name)
+        out.markup(">\n")
         arguments = attr(call, "arguments")
         if arguments is not UNDEFINED:
             if not isinstance(arguments, Mapping):
@@ -165,11 +239,12 @@ def _tool_calls(message: Mapping, content: str, index: int, spec: Variant) -> st
                         index=index,
                         field=f"tool_calls[{j}].function.arguments",
                     )
-                out.append("<parameter=" + key + ">\n")
-                out.append(_argument_text(value, spec, index, j, key))
-                out.append("\n</parameter>\n")
-        out.append("</function>\n</tool_call>")
-    return "".join(out)
+                out.markup("<parameter=")
+                out.text(key)
+                out.markup(">\n")
+                out.text(_argument_text(value, spec, index, j, key))
+                out.markup("\n</parameter>\n")
+        out.markup("</function>\n</tool_call>")
 
 
 def _argument_text(value: Any, spec: Variant, index: int, j: int, key: str) -> str:
@@ -186,19 +261,33 @@ def _argument_text(value: Any, spec: Variant, index: int, j: int, key: str) -> s
     return to_text(value)
 
 
-def _assistant(message: Mapping, content: str, index: int, with_think: bool, spec: Variant) -> str:
-    reasoning = _reasoning_field(message)
+def _assistant(
+    message: Mapping, content: str, marks: Marks, index: int, with_think: bool, spec: Variant
+) -> _Piece:
+    reasoning, reasoning_marks = _reasoning_field(message), []
     if not isinstance(reasoning, str):
         reasoning = ""
         if "</think>" in content:
-            reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-            content = content.split("</think>")[-1].lstrip("\n")
-    reasoning = reasoning.strip()
+            # The template's cuts: content.split("</think>")[0].rstrip("\n")
+            # .split("<think>")[-1].lstrip("\n") and content.split("</think>")[-1].lstrip("\n").
+            head = _cut(content, marks, 0, content.index("</think>"))
+            head = _strip(*head, "\n", left=False)
+            opened = head[0].rfind("<think>")
+            head = _cut(*head, opened + len("<think>") if opened >= 0 else 0, len(head[0]))
+            reasoning, reasoning_marks = _strip(*head, "\n", right=False)
+            tail = _cut(content, marks, content.rindex("</think>") + len("</think>"), len(content))
+            content, marks = _strip(*tail, "\n", right=False)
+    reasoning, reasoning_marks = _strip(reasoning, reasoning_marks)
+    piece = _Piece()
+    piece.markup(ASSISTANT_HEAD)
     if with_think:
-        text = ASSISTANT_HEAD + "<think>\n" + reasoning + "\n</think>\n\n" + content
-    else:
-        text = ASSISTANT_HEAD + content
-    return text + _tool_calls(message, content, index, spec) + "<|im_end|>\n"
+        piece.markup("<think>\n")
+        piece.text(reasoning, reasoning_marks)
+        piece.markup("\n</think>\n\n")
+    piece.text(content, marks)
+    _tool_calls(message, content, index, spec, piece)
+    piece.markup("<|im_end|>\n")
+    return piece
 
 
 def render_parts(
@@ -227,38 +316,40 @@ def render_parts(
     counter = VisionCounter()
     last = len(messages) - 1
     texts: list[str] = []
+    spans: list[Spans] = []
     for i, message in enumerate(messages):
-        content = render_content(
-            attr(message, "content"), i, counter=counter, add_vision_id=add_vision_id
-        ).strip()
+        content, marks = _content(message, i, counter=counter, add_vision_id=add_vision_id)
         role = attr(message, "role")
+        piece = _Piece()
         if role == "system":
             if i != 0:
                 raise RenderError("System message must be at the beginning.", index=i, field="role")
-            texts.append("")
         elif role == "user":
-            texts.append("<|im_start|>user\n" + content + "<|im_end|>\n")
+            piece.markup("<|im_start|>user\n")
+            piece.text(content, marks)
+            piece.markup("<|im_end|>\n")
         elif role == "assistant":
             with_think = keep_all_thinking or i > last_query
-            texts.append(_assistant(message, content, i, with_think, spec))
+            piece = _assistant(message, content, marks, i, with_think, spec)
         elif role == "tool":
             # Consecutive tool results share one user turn. `loop.previtem` is falsy for the
             # first message (and for an empty dict), so a leading tool message gets no header.
             prev = messages[i - 1] if i > 0 else None
             opens = bool(prev) and attr(prev, "role") != "tool"
             closes = i == last or attr(messages[i + 1], "role") != "tool"
-            texts.append(
-                ("<|im_start|>user" if opens else "")
-                + "\n<tool_response>\n"
-                + content
-                + "\n</tool_response>"
-                + ("<|im_end|>\n" if closes else "")
-            )
+            piece.markup(("<|im_start|>user" if opens else "") + "\n<tool_response>\n")
+            piece.text(content, marks)
+            piece.markup("\n</tool_response>" + ("<|im_end|>\n" if closes else ""))
         else:
             raise RenderError(f"Unexpected message role {to_text(role)!r}.", index=i, field="role")
+        text, where = piece.result()
+        texts.append(text)
+        spans.append(where)
+    head, head_spans = header.result()
     if add_generation_prompt:
-        return RenderedParts(header, texts, ASSISTANT_HEAD, generation_think(spec, enable_thinking))
-    return RenderedParts(header, texts, "", "")
+        think = generation_think(spec, enable_thinking)
+        return RenderedParts(head, texts, ASSISTANT_HEAD, think, head_spans, spans)
+    return RenderedParts(head, texts, "", "", head_spans, spans)
 
 
 def render_messages(

@@ -78,6 +78,7 @@ def build_prompt(
     tools: Sequence[dict] | None = None,
     preserve_thinking: bool | None = None,
     cache: SegmentCache | None = None,
+    text_spans: bool = False,
 ) -> Prompt:
     """Render and tokenize the prompt for the next assistant turn.
 
@@ -85,7 +86,9 @@ def build_prompt(
     needed to fit `max_tokens`, dropping whole exchanges from the oldest. Raises
     PromptTooLong if the system block and `current` alone do not fit, RenderError on invalid
     input. `encode` must treat ChatML special tokens as special; `cache` should be reused
-    across turns (one per tokenizer).
+    across turns (one per tokenizer). With `text_spans`, `encode` is called as
+    `encode(text, spans)` with the spans of message text in `text` (see RenderedParts), so that
+    it can encode the special tokens written there as ordinary text.
     """
     get_variant(variant)
     if max_exchanges < 0:
@@ -113,10 +116,14 @@ def build_prompt(
         preserve_thinking=preserve_thinking,
         variant=variant,
     )
-    seg_ids = [cache.encode(encode, text) for text in parts.messages]
-    header_ids = cache.encode(encode, parts.header)
-    gen_head_ids = cache.encode(encode, parts.generation_head)
-    think_ids = cache.encode(encode, parts.generation_think)
+
+    def ids_of(text: str, spans: tuple = ()) -> tuple[int, ...]:
+        return cache.encode(encode, text, spans if text_spans else None)
+
+    seg_ids = [ids_of(t, s) for t, s in zip(parts.messages, parts.message_spans, strict=True)]
+    header_ids = ids_of(parts.header, parts.header_spans)
+    gen_head_ids = ids_of(parts.generation_head)
+    think_ids = ids_of(parts.generation_think)
 
     # Token cost of each candidate exchange and of what must always fit.
     costs, pos = [], len(head)
@@ -144,7 +151,7 @@ def build_prompt(
     # Assemble the kept suffix.
     first = len(head) + sum(len(ex) for ex in candidates[: len(candidates) - kept])
     chosen = list(range(len(head))) + list(range(first, len(flat)))
-    assistant_head = cache.encode(encode, ASSISTANT_HEAD)
+    assistant_head = ids_of(ASSISTANT_HEAD)
     ids: list[int] = list(header_ids)
     texts = [parts.header]
     starts, assistant_starts = [], []

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,16 @@ _TEXT_TAGS = {
     "<|file_sep|>",
 }  # fmt: skip
 TOKENIZER_VERSION = 1  # bump when the conversion changes: rebuilds the cached tokenizer.json
+# How special tokens written inside message text are encoded: "text" (ordinary text, so that a
+# message cannot forge ChatML markup) or "parse" (control tokens, as transformers does).
+SPECIAL_TOKENS_IN_CONTENT = ("text", "parse")
+
+
+def check_special_mode(value: object) -> str:
+    """`value` if it is one of SPECIAL_TOKENS_IN_CONTENT, else a ValueError naming it."""
+    if not isinstance(value, str) or value not in SPECIAL_TOKENS_IN_CONTENT:
+        raise ValueError(f"special_tokens_in_content must be 'text' or 'parse', got {value!r}")
+    return value
 
 
 def special_tokens() -> list[tuple[int, str]]:
@@ -108,23 +120,119 @@ def tokenizer_config(context_window: int) -> dict:
     }
 
 
+def _alternation(tokens) -> re.Pattern | None:
+    # Longest first: at each position the longest token wins, as in `tokenizers`.
+    alts = sorted(tokens, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, alts))) if alts else None
+
+
+def _config_special_flags(folder: Path) -> dict[int, bool]:
+    """tokenizer_config.json's `added_tokens_decoder` special flags, by id ({} if none)."""
+    path = folder / "tokenizer_config.json"
+    if not path.exists():
+        return {}
+    config = json.loads(path.read_text(encoding="utf-8"))
+    decoder = config.get("added_tokens_decoder") if isinstance(config, dict) else None
+    flags = {}
+    for key, entry in (decoder if isinstance(decoder, dict) else {}).items():
+        if (
+            str(key).isdigit()
+            and isinstance(entry, dict)
+            and isinstance(entry.get("special"), bool)
+        ):
+            flags[int(key)] = entry["special"]
+    return flags
+
+
 @dataclass
 class Tokenizer:
-    """Thin wrapper over `tokenizers.Tokenizer`: text <-> ids, special tokens as text."""
+    """Thin wrapper over `tokenizers.Tokenizer`: text <-> ids.
+
+    `special` are the added tokens marked special (control tokens: `<|im_start|>`,
+    `<|im_end|>`, `<|endoftext|>`, the vision pads...); the other added tokens (`<think>`,
+    `<tool_call>`...) are text tags, always encoded as their single id. By default, `special`
+    follows tokenizer.json's flags.
+    """
 
     backend: object  # tokenizers.Tokenizer
+    special: dict[str, int] | None = None  # content -> id
+
+    def __post_init__(self) -> None:
+        tokens = self.backend.get_added_tokens_decoder()  # id -> AddedToken
+        added = {t.content: i for i, t in tokens.items()}
+        if self.special is None:
+            self.special = {t.content: i for i, t in tokens.items() if t.special}
+        self._tags = {t: i for t, i in added.items() if t not in self.special}
+        self._special_re = _alternation(self.special)
+        self._added_re = _alternation(added)
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> Tokenizer:
+        """The folder's tokenizer.json, with the special flags of tokenizer_config.json where it
+        has them (as transformers reads a checkpoint: our converted tokenizer.json marks every
+        added token special, the config marks `<think>`, `<tool_call>`... as text)."""
         from tokenizers import Tokenizer as HFTokenizer
 
         path = Path(folder) / "tokenizer.json"
         if not path.exists():
             raise FileNotFoundError(f"{folder}: no tokenizer.json")
-        return cls(HFTokenizer.from_file(str(path)))
+        backend = HFTokenizer.from_file(str(path))
+        added = backend.get_added_tokens_decoder()
+        flags = {i: t.special for i, t in added.items()} | {
+            i: flag for i, flag in _config_special_flags(Path(folder)).items() if i in added
+        }
+        return cls(backend, {added[i].content: i for i, flag in flags.items() if flag})
 
-    def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, text_spans: Sequence[tuple[int, int]] | None = None) -> list[int]:
+        """The ids of `text`; special tokens written in it are control tokens, except inside
+        `text_spans` ((start, end) of message text, sorted), where they are ordinary text.
+
+        Ids equal plain encoding wherever no special token string lies in a text span.
+        """
+        if not text_spans or self._special_re is None:
+            return self.backend.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        pos = 0
+        for start, end in self._controls(text, text_spans):
+            ids += self._encode_run(text[pos:start])
+            ids.append(self.special[text[start:end]])
+            pos = end
+        ids += self._encode_run(text[pos:])
+        return ids
+
+    def _controls(self, text: str, spans: Sequence[tuple[int, int]]):
+        """(start, end) of each special token in the markup, i.e. wholly outside `spans`."""
+        pos = 0
+        for start, end in [*spans, (len(text), len(text))]:
+            for m in self._special_re.finditer(text, pos, start):
+                yield m.span()
+            pos = max(pos, end)
+
+    def _encode_run(self, text: str) -> list[int]:
+        """`text` (no control token in it) with any special token string in it as text."""
+        if not text:
+            return []
+        if not self._special_re.search(text):
+            return self.backend.encode(text, add_special_tokens=False).ids
+        # `tokenizers` would cut at the special strings: run its pipeline ourselves, cutting
+        # only at the text tags (still single tokens).
+        ids: list[int] = []
+        pos = 0
+        for m in self._added_re.finditer(text):
+            if m.group() in self._tags:
+                ids += self._bpe(text[pos : m.start()])
+                ids.append(self._tags[m.group()])
+                pos = m.end()
+        ids += self._bpe(text[pos:])
+        return ids
+
+    def _bpe(self, text: str) -> list[int]:
+        """normalizer -> pre-tokenizer -> model: `encode` without the added-token split."""
+        b = self.backend
+        if b.normalizer is not None:
+            text = b.normalizer.normalize_str(text)
+        pieces = b.pre_tokenizer.pre_tokenize_str(text) if b.pre_tokenizer else [(text, None)]
+        return [t.id for piece, _ in pieces for t in b.model.tokenize(piece)]
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=False)

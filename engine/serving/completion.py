@@ -27,6 +27,7 @@ from renderer import (
     validate_exchange,
 )
 
+from ..checkpoints.tokenizer import check_special_mode
 from ..runtime.sampling import SamplingParams
 from ..turn import ToolCall, parse_tool_calls, split_reasoning
 
@@ -202,10 +203,14 @@ def _message_param(error: RenderError, offset: int) -> str:
 
 
 class Renderer:
-    """Renders requests to prompts for one engine; thread-safe (one shared segment cache)."""
+    """Renders requests to prompts for one engine; thread-safe (one shared segment cache).
 
-    def __init__(self, engine):
+    `special_tokens_in_content`: see `Session` ("text": no role forgery through message text).
+    """
+
+    def __init__(self, engine, special_tokens_in_content: str = "text"):
         self.engine = engine
+        self.text_spans = check_special_mode(special_tokens_in_content) == "text"
         self.segments = SegmentCache(4096)
         self._lock = threading.Lock()  # SegmentCache is an OrderedDict: one writer at a time
 
@@ -238,6 +243,7 @@ class Renderer:
                     tools=request.tools,
                     preserve_thinking=request.preserve_thinking,
                     cache=self.segments,
+                    text_spans=self.text_spans,
                 )
         except RenderError as e:
             param = "tools" if e.field == "tools" else _message_param(e, 0)

@@ -54,6 +54,7 @@ class ServerConfig:
     max_queued: int = MAX_QUEUED
     context_window: int | None = None  # default: the model's
     warm: bool = True  # prefill each answered conversation's next prompt while idle
+    special_tokens_in_content: str = "text"  # "parse": --parse-special-in-content
 
 
 # ----- HTTP ---------------------------------------------------------------------------------
@@ -118,7 +119,7 @@ class ServerApp:
         self.engine = engine
         self.config = config
         self.window = config.context_window or engine.entry.context_window
-        self.renderer = Renderer(engine)
+        self.renderer = Renderer(engine, config.special_tokens_in_content)
         self.worker = ModelWorker(engine, config.sequences, self.renderer, config.warm)
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -347,6 +348,7 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(
         model=args.model, host=args.host, port=args.port, api_key=args.api_key,
         sequences=args.sequences, max_tokens=args.max_tokens,
+        special_tokens_in_content="parse" if args.parse_special_in_content else "text",
     )  # fmt: skip
     print(f"chatml serve: {args.model} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(create_app(eng, config), host=args.host, port=args.port, log_level="info")
