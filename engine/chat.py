@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .args import number
+from .args import add_sampling_flags, number, sampling_overrides
 
 COMMANDS = {
     "/reset": "forget the conversation (the system prompt stays)",
@@ -48,7 +48,6 @@ def add_chat_parser(sub) -> None:
     c.add_argument("--max-exchanges", type=number(0), default=None,
                    help="exchanges kept in the window (default 6)")  # fmt: skip
     c.add_argument("--max-tokens", type=number(1), default=256, help="answer length limit")
-    c.add_argument("--temperature", type=number(0.0, kind=float), default=0.0)
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="thinking mode (default: the model's)")  # fmt: skip
@@ -61,6 +60,7 @@ def add_chat_parser(sub) -> None:
     c.add_argument("--json-schema", default=None, metavar="FILE",
                    help="answers must be JSON valid against this JSON Schema")  # fmt: skip
     c.add_argument("-p", "--prompt", default=None, help="ask one question and exit")
+    add_sampling_flags(c, "every answer")
     c.set_defaults(func=run_chat)
 
 
@@ -142,8 +142,9 @@ class Chat:
         self.stored, self.store, self.model = stored, store, model
         self.interactive = interactive
         self.validate = schema_validator(args.json_schema) if args.json_schema else None
-        self.options = dict(max_tokens=args.max_tokens, temperature=args.temperature,
-                            seed=args.seed)  # fmt: skip
+        # The model's recommended sampling, then the flags given (checked in run_chat).
+        sampling = {**engine.sampling_defaults, **sampling_overrides(args)}
+        self.options = dict(max_tokens=args.max_tokens, seed=args.seed, **sampling)
         self.turns: list = [None] * len(session.history)  # Turns of the history's exchanges
         self.last = None
         self.totals = dict(turns=0, reused=0, prefilled=0, generated=0)
@@ -345,6 +346,11 @@ def _readline(home: Path):
 def run_chat(args) -> int:
     if args.no_history and args.prompt is not None:
         _err("chatml chat: --no-history has no effect with -p (one question has no history)")
+        return 2
+    try:
+        sampling_overrides(args)
+    except ValueError as e:
+        _err(f"chatml chat: error: {e}")
         return 2
     from .storage.store import SessionBusy, SessionIdError, SessionStore, check_id
 

@@ -6,12 +6,13 @@ import argparse
 import json
 import sys
 
-from .args import number
+from .args import add_sampling_flags, number, sampling_overrides
 
 
 def _models(args) -> int:
     from .checkpoints import registry
     from .checkpoints.builder import build, parameter_count
+    from .checkpoints.generation import describe, qwen_generation_config, sampling_defaults
 
     entries = registry.registry()
     if args.action in (None, "list"):
@@ -56,6 +57,8 @@ def _models(args) -> int:
         print(f"  {ffn}; tied embeddings: {a.tie_word_embeddings}")
         print(f"  recurrent state: {a.recurrent_state_bytes():,} bytes per sequence (float32)")
         print(f"  KV cache: {a.kv_bytes_per_token():,} bytes per token (float32)")
+        defaults = sampling_defaults(qwen_generation_config(e))
+        print(f"  sampling defaults (generation_config.json; chat and serve): {describe(defaults)}")
         return 0
     if args.action == "build":
         if not args.out:
@@ -114,7 +117,12 @@ def _bench(args) -> int:
 def _serve(args) -> int:
     from .serving.server import run
 
-    return run(args)
+    try:
+        sampling = sampling_overrides(args)
+    except ValueError as e:
+        print(f"chatml serve: error: {e}", file=sys.stderr)
+        return 2
+    return run(args, sampling)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,13 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="tiny", help="registry alias, checkpoint folder or Hub id")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=number(0, 65535), default=8080)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    key = s.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' (visible in ps: prefer the file "
+                     "or $CHATML_API_KEY)")  # fmt: skip
+    key.add_argument("--api-key-file", default=None, metavar="FILE",
+                     help="read the API key from FILE (surrounding whitespace ignored)")  # fmt: skip
     s.add_argument("--cache-bytes", type=number(1), default=None,
                    help="cache budget (default: RAM/4)")  # fmt: skip
     s.add_argument("--sequences", type=number(1), default=8,
                    help="cached sequences kept for reuse")  # fmt: skip
     s.add_argument("--max-tokens", type=number(1), default=512,
                    help="answer limit if a request has none")  # fmt: skip
+    add_sampling_flags(s, "fields a request omits")
     s.set_defaults(func=_serve)
     return p
 
