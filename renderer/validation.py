@@ -87,9 +87,9 @@ def json_problem(value: Any, max_depth: int = MAX_JSON_DEPTH) -> tuple[list, str
             stack.pop()
             continue
         key, child = item
+        if isinstance(key, str) and _LONE_SURROGATE.search(key):  # named by its parent
+            return keys, "a key contains a lone surrogate code point (not valid Unicode)"
         where = [*keys, key]
-        if isinstance(key, str) and _LONE_SURROGATE.search(key):
-            return where, "a key contains a lone surrogate code point (not valid Unicode)"
         problem = _leaf_problem(child)
         if problem:
             return where, problem
