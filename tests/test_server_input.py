@@ -240,8 +240,9 @@ def test_integers_with_thousands_of_digits_are_a_400(server, digits, where):
         body = body_with(messages=[*call_turn(call), {"role": "tool", "content": "r"}])
     elif where == "tools":
         schema = {"type": "object", "properties": {"n": {"enum": [big]}}}
-        body = body_with(tools=[{"type": "function", "function": {"name": "f",
-                                                                  "parameters": schema}}])
+        body = body_with(
+            tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        )
     else:
         body = body_with(**{where: big})
     error = assert_400(post_raw(server, dump(body)))
@@ -371,9 +372,13 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(tiny, monkeypatch):
     calls = []
     monkeypatch.setattr(tiny.tokenizer, "encode", lambda text: calls.append(text) or [1])
     big = "word " * (WINDOW * renderer.max_token_bytes // 5 + 10)
-    for messages in ([{"role": "user", "content": big}],
-                     [{"role": "system", "content": big[:len(big) // 2]},
-                      {"role": "user", "content": [{"type": "text", "text": big[len(big) // 2:]}]}]):
+    for messages in (
+        [{"role": "user", "content": big}],
+        [
+            {"role": "system", "content": big[: len(big) // 2]},
+            {"role": "user", "content": [{"type": "text", "text": big[len(big) // 2 :]}]},
+        ],
+    ):
         with pytest.raises(ApiError) as e:
             prepare(json.dumps({"messages": messages}).encode(), renderer)
         assert e.value.status == 400 and e.value.code == "context_length_exceeded"
