@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +32,10 @@ def chatml(*args, stdin: str = "", timeout: float = 120) -> subprocess.Completed
         timeout=timeout,
         env={**os.environ, "CHATML_HOME": os.environ["CHATML_HOME"]},
     )
+
+
+# Plain greedy decoding, whatever the model's generation_config.json recommends.
+GREEDY = ("--temperature", "0", "--presence-penalty", "0")
 
 
 def new_id(prefix: str) -> str:
@@ -114,7 +119,7 @@ def test_zero_exchanges_keeps_no_history():
 
 def test_resume_in_a_new_process_equals_an_uninterrupted_run(tiny):
     sid = new_id("resume")
-    opts = ("--system", SYSTEM, "--max-tokens", "5", "--session", sid)
+    opts = ("--system", SYSTEM, "--max-tokens", "5", "--session", sid, *GREEDY)
     first = chatml("chat", *opts, stdin="\n".join(QUESTIONS[:3]) + "\n")
     assert first.returncode == 0, first.stderr
     second = chatml("chat", *opts, stdin=QUESTIONS[3] + "\n")
@@ -208,3 +213,41 @@ def test_traversal_ids_are_usage_errors(bad):
     assert r.returncode == 2 and "invalid session id" in r.stderr
     r = chatml("sessions", "rm", bad)
     assert r.returncode == 2 and "invalid session id" in r.stderr
+
+
+def test_sampling_defaults_come_from_the_checkpoint_and_flags_override_them(tiny, tmp_path):
+    """A checkpoint whose generation_config.json asks for greedy decoding with penalties:
+    `chatml chat` answers as the Python API does when given those values; a flag replaces
+    one value; the Python API itself stays plain greedy."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny.path, folder)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"do_sample": False, "presence_penalty": -1.0, "frequency_penalty": 0.3}
+    ))  # fmt: skip
+    question = "Say something again and again."
+
+    def chat_tokens(*flags) -> list[int]:
+        sid = new_id("defaults")
+        r = chatml("chat", "--model", str(folder), "--max-tokens", "12", "--session", sid,
+                   *flags, stdin=question + "\n")  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        return turns(sid)[0]["token_ids"]
+
+    def api_tokens(**options) -> list[int]:
+        return tiny.session(None).send(question, max_tokens=12, **options).token_ids
+
+    penalized = api_tokens(presence_penalty=-1.0, frequency_penalty=0.3)
+    assert penalized != api_tokens()  # the defaults make a difference
+    assert chat_tokens() == penalized
+    assert chat_tokens("--presence-penalty", "0", "--frequency-penalty", "0") == api_tokens()
+    assert chat_tokens("--frequency-penalty", "0") == api_tokens(presence_penalty=-1.0)
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [(("--top-p", "0"), "top_p must be in (0, 1]"), (("--min-p", "1"), "min_p"),
+     (("--top-k", "1.5"), "expected an integer"), (("--presence-penalty", "3"), "<= 2.0")],
+)  # fmt: skip
+def test_bad_sampling_flags_are_usage_errors(flags, words):
+    r = chatml("chat", "-p", "hi", *flags)
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr

@@ -56,3 +56,12 @@ def test_a_bad_model_is_a_message_not_a_traceback(capsys):
     err = capsys.readouterr().err
     assert "chatml chat: /nonexistent: no such checkpoint folder" in err
     assert "Traceback" not in err
+
+
+def test_models_info_shows_the_sampling_defaults(capsys):
+    assert main(["models", "info", "qwen3.5-9b"]) == 0
+    out = capsys.readouterr().out
+    assert ("sampling defaults (generation_config.json; chat and serve): temperature 1.0, "
+            "top_p 0.95, top_k 20, min_p 0.0, presence_penalty 1.5") in out  # fmt: skip
+    assert main(["models", "info", "qwen3.5-0.8b"]) == 0
+    assert "temperature 0.7, top_p 0.8, top_k 20" in capsys.readouterr().out

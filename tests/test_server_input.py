@@ -9,16 +9,21 @@ mismatches) through the real HTTP app.
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 import threading
 
 import httpx
+import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.cli import main
 from engine.runtime.sampling import Sampler
-from engine.serving.completion import ApiError, Renderer, output_budget, prepare
-from engine.serving.server import BackgroundServer, ServerConfig
+from engine.serving.completion import ApiError, Renderer, output_budget, parse_request, prepare
+from engine.serving.server import BackgroundServer, ServerConfig, create_app, resolve_api_key
 
 WINDOW = 4096
 USER = {"role": "user", "content": "hi"}
@@ -439,3 +444,181 @@ class _Tokenizer:
 
     def __getattr__(self, name):
         return getattr(self._tokenizer, name)
+
+
+# ----- the API key (issue item 6) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key, key_file, env, words",
+    [
+        ("", None, {}, "--api-key is empty"),
+        ("   ", None, {}, "--api-key is empty"),
+        ("two words", None, {}, "printable ASCII"),
+        ("clé", None, {}, "printable ASCII"),
+        (None, "", {}, "--api-key-file"),  # no such file
+        (None, "EMPTY", {}, "empty"),
+        (None, None, {"CHATML_API_KEY": ""}, "CHATML_API_KEY is empty"),
+        (None, None, {"CHATML_API_KEY": " \n"}, "CHATML_API_KEY is empty"),
+    ],
+)
+def test_unusable_api_keys_are_refused(tmp_path, key, key_file, env, words):
+    if key_file == "EMPTY":
+        key_file = tmp_path / "key"
+        key_file.write_text("\n")
+    with pytest.raises(ValueError, match=words):
+        resolve_api_key(key, key_file, env)
+
+
+def test_api_key_sources_and_whitespace(tmp_path):
+    (tmp_path / "key").write_text("  s3cret\n")
+    assert resolve_api_key(None, str(tmp_path / "key"), {}) == "s3cret"
+    assert resolve_api_key(None, None, {"CHATML_API_KEY": " k "}) == "k"
+    assert resolve_api_key(" flag ", None, {"CHATML_API_KEY": "env"}) == "flag"
+    assert resolve_api_key(None, None, {}) is None
+
+
+@pytest.mark.parametrize(
+    "argv, env",
+    [(["--api-key", ""], {}), (["--api-key", " "], {}), ([], {"CHATML_API_KEY": ""})],
+)
+def test_serve_refuses_an_empty_key_before_anything_else(monkeypatch, capsys, argv, env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr("engine.load", _must_not_load)
+    assert main(["serve", "--port", "0", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "empty" in err and "Traceback" not in err
+
+
+def test_serve_takes_one_key_source(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--api-key", "a", "--api-key-file", "f"])
+    assert e.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_the_server_itself_refuses_an_empty_key_and_strips_spaces(tiny):
+    for bad in ("", "  "):
+        with pytest.raises(ValueError, match="empty"):
+            create_app(tiny, ServerConfig(api_key=bad))
+    with BackgroundServer(tiny, ServerConfig(port=0, api_key=" s3cret\n")) as srv:
+        ok = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+
+
+def _must_not_load(*args, **kwargs):
+    raise AssertionError("the model was loaded")
+
+
+# ----- `chatml serve` start-up: the banner only once listening ------------------------------
+
+
+def test_a_taken_port_fails_at_once_naming_it(monkeypatch, capsys):
+    monkeypatch.setattr("engine.load", _must_not_load)  # fails before the model loads
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 1
+    out, err = capsys.readouterr()
+    assert "chatml serve:" not in out  # no banner
+    assert f"port {port}" in err and "cannot listen" in err and "Traceback" not in err
+
+
+def test_the_banner_comes_once_the_server_listens(tiny, tmp_path):
+    """`chatml serve --port 0` prints the real address, and it answers right away."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "serve", "--model", "tiny", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    watchdog = threading.Timer(300, proc.kill)  # a hung start fails the test, not the run
+    watchdog.start()
+    try:
+        banner = proc.stdout.readline()
+        assert banner.startswith("chatml serve: tiny on http://127.0.0.1:"), banner
+        url = banner.split(" on ", 1)[1].strip()
+        assert not url.endswith(":0/v1")
+        assert httpx.get(url.removesuffix("/v1") + "/health", timeout=60).status_code == 200
+        assert "temperature 0.7" in proc.stdout.readline()  # the sampling defaults line
+    finally:
+        watchdog.cancel()
+        proc.terminate()
+        proc.wait(60)
+
+
+# ----- sampling defaults for fields a request omits (issue item 11) -------------------------
+
+
+def test_omitted_fields_take_the_server_defaults():
+    defaults = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "presence_penalty": 1.5}
+    p = parse_request({"messages": [USER]}, defaults).params
+    assert (p.temperature, p.top_p, p.top_k, p.presence_penalty) == (0.7, 0.8, 20, 1.5)
+    assert (p.min_p, p.frequency_penalty, p.repetition_penalty, p.seed) == (0.0, 0.0, 1.0, None)
+    given = {"messages": [USER], "temperature": 0, "top_k": 0, "presence_penalty": 0.0}
+    p = parse_request(given, defaults).params
+    assert (p.temperature, p.top_p, p.top_k, p.presence_penalty) == (0, 0.8, 0, 0.0)
+    p = parse_request({"messages": [USER]}).params  # no defaults: OpenAI's
+    assert (p.temperature, p.top_p, p.top_k, p.presence_penalty) == (1.0, 1.0, 0, 0.0)
+
+
+def test_the_server_samples_with_the_checkpoints_defaults(tiny, server):
+    """A greedy request that omits the penalties gets the checkpoint's (generation_config.json
+    of tiny: presence_penalty 1.5), exactly as the Python API does when told the same."""
+    assert tiny.sampling_defaults["presence_penalty"] == 1.5
+    assert server.app.sampling == tiny.sampling_defaults
+    question = "Say something again and again."
+    session = tiny.session(None)
+    want = session.send(question, max_tokens=12, temperature=0, presence_penalty=1.5,
+                        frequency_penalty=0.0)  # fmt: skip
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": 12,
+            "temperature": 0}  # fmt: skip
+    r = post_raw(server, json.dumps(body))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want.text
+    # An explicit field wins over the default (here a penalty that changes the answer).
+    want = tiny.session(None).send(question, max_tokens=12, temperature=0,
+                                   presence_penalty=-1.0, frequency_penalty=0.3)  # fmt: skip
+    r = post_raw(server, json.dumps({**body, "presence_penalty": -1.0, "frequency_penalty": 0.3}))
+    assert r.json()["choices"][0]["message"]["content"] == want.text
+
+
+# ----- idle warm-up after an answer with several tool calls ---------------------------------
+
+
+class _Scripted:
+    """A sampler that writes `text` then the stop token (a model that calls tools)."""
+
+    reads_history = False
+
+    def __init__(self, engine, text):
+        self.ids = engine.tokenizer.encode(text) + [engine.stop_ids[0]]
+        self.i = 0
+
+    def __call__(self, logits, recent):
+        self.i += 1
+        return mx.array(self.ids[min(self.i - 1, len(self.ids) - 1)])
+
+
+def test_warm_up_after_two_tool_calls_prepares_up_to_their_results(tiny, monkeypatch):
+    """The warm-up renders the expected next request, one result per call (which the request
+    check now insists on), and prepares everything before the first result."""
+    call = "<tool_call>\n<function=f>\n<parameter=x>\n{}\n</parameter>\n</function>\n</tool_call>"
+    text = call.format(1) + "\n" + call.format(2)
+    monkeypatch.setattr("engine.serving.worker.Sampler", lambda p: _Scripted(tiny, text))
+    config = ServerConfig(port=0, context_window=WINDOW, warm=True)
+    with BackgroundServer(tiny, config) as srv:
+        worker = srv.app.worker
+        messages = [{"role": "user", "content": "Call f twice."}]
+        r = post_raw(srv, json.dumps(body_with(messages=messages, tools=TOOLS, max_tokens=64)))
+        message = r.json()["choices"][0]["message"]
+        assert len(message["tool_calls"]) == 2, r.text
+        assert worker.idle.wait(60)  # the warm-up is done
+        assert worker.warmed_tokens > 0
+        monkeypatch.undo()
+        results = [result(c["id"], f"result {k}") for k, c in enumerate(message["tool_calls"])]
+        follow = [*messages, message, *results]
+        prompt = srv.app.renderer.render(parse_request(body_with(messages=follow, tools=TOOLS)))
+        r = post_raw(srv, json.dumps(body_with(messages=follow, tools=TOOLS, presence_penalty=0)))
+        assert r.status_code == 200, r.text
+        first_result = prompt.boundaries.message_starts[-2]
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == first_result
