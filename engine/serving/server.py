@@ -418,8 +418,8 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
         print(f"chatml serve: {args.model} on {url}", flush=True)
-        print(f"  sampling defaults (a request's fields replace them): {describe(defaults)}",
-              flush=True)  # fmt: skip
+        shown = describe(defaults) if defaults else "OpenAI's (temperature 1, top_p 1)"
+        print(f"  sampling defaults (a request's fields replace them): {shown}", flush=True)
         server = uvicorn.Server(uvicorn.Config(create_app(eng, config), log_level="info"))
         server.run(sockets=[sock])
     return 0
