@@ -159,7 +159,7 @@ def renderer(tiny):
     return Renderer(tiny, WINDOW)
 
 
-@settings(max_examples=400, deadline=None, derandomize=True,
+@settings(max_examples=1000, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
 @given(raw=RAW_BODIES)
 def test_any_body_is_accepted_or_a_4xx(tiny, renderer, raw):

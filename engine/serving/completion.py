@@ -37,6 +37,7 @@ from renderer.validation import (
     validate_tools,
 )
 
+from ..checkpoints.tokenizer import encode_in_pieces
 from ..runtime.sampling import MAX_SEED, SamplingParams
 from ..turn import ToolCall, parse_tool_calls, split_reasoning
 
@@ -250,7 +251,8 @@ def _message_param(error: RenderError, offset: int) -> str:
 
 class SharedSegmentCache(SegmentCache):
     """A SegmentCache for many threads: the lock covers lookups and stores, never `encode`,
-    so one huge request being tokenized does not hold up the others."""
+    so one huge request being tokenized does not hold up the others; long texts are encoded
+    a piece at a time, so the GIL the tokenizer holds is released between pieces."""
 
     def __init__(self, maxsize: int = 1024) -> None:
         super().__init__(maxsize)
@@ -264,7 +266,7 @@ class SharedSegmentCache(SegmentCache):
                 self._data.move_to_end(text)
                 return ids
             self.misses += 1
-        ids = tuple(encode(text)) if text else ()
+        ids = tuple(encode_in_pieces(encode, text)) if text else ()
         with self._lock:
             self._data[text] = ids
             self._data.move_to_end(text)
