@@ -349,6 +349,10 @@ def run_chat(args) -> int:
         return 2
     try:
         sampling_overrides(args)
+        if args.seed is not None:
+            from .runtime.sampling import SamplingParams
+
+            SamplingParams(seed=args.seed)  # MLX takes 0 to 2**64-1
     except ValueError as e:
         _err(f"chatml chat: error: {e}")
         return 2

@@ -246,7 +246,8 @@ def test_sampling_defaults_come_from_the_checkpoint_and_flags_override_them(tiny
 @pytest.mark.parametrize(
     "flags, words",
     [(("--top-p", "0"), "top_p must be in (0, 1]"), (("--min-p", "1"), "min_p"),
-     (("--top-k", "1.5"), "expected an integer"), (("--presence-penalty", "3"), "<= 2.0")],
+     (("--top-k", "1.5"), "expected an integer"), (("--presence-penalty", "3"), "<= 2.0"),
+     (("--seed", "-1"), "seed must be an integer from 0 to 2**64-1")],
 )  # fmt: skip
 def test_bad_sampling_flags_are_usage_errors(flags, words):
     r = chatml("chat", "-p", "hi", *flags)
