@@ -34,6 +34,7 @@ def _conversation(client, model, k, args, deadline, records, lock) -> None:
         start, first, text, usage = time.perf_counter(), None, [], None
         stream = client.chat.completions.create(
             model=model, messages=messages, max_tokens=args.max_tokens, temperature=0,
+            presence_penalty=0,  # plain greedy, whatever the checkpoint's defaults say
             stream=True, stream_options={"include_usage": True},
         )  # fmt: skip
         for chunk in stream:

@@ -36,3 +36,37 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if any(action.default is v for v in (None, False, argparse.SUPPRESS)) or "default" in text:
             return text
         return super()._get_help_string(action)
+# Sampling flags of `chatml chat` and `chatml serve`: (flag, SamplingParams field, type, help).
+_SAMPLING_FLAGS = (
+    ("--temperature", "temperature", number(0.0, kind=float), "0 is greedy"),
+    ("--top-p", "top_p", number(0.0, 1.0, kind=float), "nucleus mass kept, in (0, 1]"),
+    ("--top-k", "top_k", number(0), "most likely tokens kept (0: all)"),
+    ("--min-p", "min_p", number(0.0, 1.0, kind=float), "drop tokens below MIN_P x the best"),
+    ("--presence-penalty", "presence_penalty", number(-2.0, 2.0, kind=float),
+     "subtracted once from tokens already in the answer"),
+    ("--frequency-penalty", "frequency_penalty", number(-2.0, 2.0, kind=float),
+     "subtracted per occurrence in the answer"),
+    ("--repetition-penalty", "repetition_penalty", number(0.0, kind=float),
+     "divides recent tokens' logits (1: off)"),
+)  # fmt: skip
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser, what: str) -> None:
+    """The sampling flags; each left unset takes the model's generation_config.json value."""
+    group = parser.add_argument_group(
+        "sampling", f"defaults for {what}: the model's generation_config.json (shown by "
+        "`chatml models info`); a flag replaces that one value",
+    )  # fmt: skip
+    for flag, dest, kind, text in _SAMPLING_FLAGS:
+        group.add_argument(flag, dest=dest, type=kind, default=None, help=text)
+
+
+def sampling_overrides(args: argparse.Namespace) -> dict:
+    """The sampling flags given on the command line; ValueError if they cannot work together
+    (e.g. --top-p 0), so the problem shows before a model loads."""
+    from .runtime.sampling import SamplingParams
+
+    given = {dest: getattr(args, dest, None) for _, dest, _, _ in _SAMPLING_FLAGS}
+    given = {k: v for k, v in given.items() if v is not None}
+    SamplingParams(**given)
+    return given

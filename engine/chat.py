@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .args import DefaultsFormatter, number
+from .args import DefaultsFormatter, add_sampling_flags, number, sampling_overrides
 
 COMMANDS = {
     "/reset": "forget the conversation (the system prompt stays)",
@@ -51,8 +51,6 @@ def add_chat_parser(sub) -> None:
                    help="exchanges kept in the window; 0: each question on its own, the history "
                         "still kept (default: the session's, or 6)")  # fmt: skip
     c.add_argument("--max-tokens", type=number(1), default=256, help="answer length limit")
-    c.add_argument("--temperature", type=number(0.0, kind=float), default=0.0,
-                   help="sampling temperature; 0 is greedy")  # fmt: skip
     c.add_argument("--seed", type=int, default=None,
                    help="sampling seed, for repeatable answers (default: random)")  # fmt: skip
     c.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
@@ -70,6 +68,7 @@ def add_chat_parser(sub) -> None:
     c.add_argument("--parse-special-in-content", action="store_true",
                    help="special tokens typed in messages (<|im_end|>...) become control tokens "
                         "(default: ordinary text)")  # fmt: skip
+    add_sampling_flags(c, "every answer")
     c.set_defaults(func=run_chat)
 
 
@@ -187,8 +186,9 @@ class Chat:
         self.stored, self.store, self.model = stored, store, model
         self.interactive = interactive
         self.validate = schema_validator(args.json_schema) if args.json_schema else None
-        self.options = dict(max_tokens=args.max_tokens, temperature=args.temperature,
-                            seed=args.seed)  # fmt: skip
+        # The model's recommended sampling, then the flags given (checked in run_chat).
+        sampling = {**engine.sampling_defaults, **sampling_overrides(args)}
+        self.options = dict(max_tokens=args.max_tokens, seed=args.seed, **sampling)
         self.turns: list = [None] * len(session.history)  # Turns of the history's exchanges
         self.last = None
         self.totals = dict(turns=0, reused=0, prefilled=0, generated=0)
@@ -310,8 +310,9 @@ class Chat:
             _err("error: there is no exchange to redo")
             return
         o = self.options
-        if o["temperature"] == 0 or o["seed"] is not None:  # the same prompt, the same tokens
-            why = "greedy decoding (--temperature 0)" if o["temperature"] == 0 else "a fixed --seed"
+        greedy = o.get("temperature", 0.0) == 0
+        if greedy or o["seed"] is not None:  # the same prompt, the same tokens
+            why = "greedy decoding (--temperature 0)" if greedy else "a fixed --seed"
             _err(f"[{why} gives the same answer again; --temperature > 0 without --seed varies it]")
         last, last_turn = s.history.pop(), self.turns.pop() if self.turns else None
         if not self.ask(last[0]["content"]):
@@ -420,6 +421,15 @@ def run_chat(args) -> int:
     bad = _bad_text(args, ("--prompt", "--system", "--session", "--model"))
     if bad:
         _err(f"chatml chat: {bad}")
+        return 2
+    try:
+        sampling_overrides(args)
+        if args.seed is not None:
+            from .runtime.sampling import SamplingParams
+
+            SamplingParams(seed=args.seed)  # MLX takes 0 to 2**64-1
+    except ValueError as e:
+        _err(f"chatml chat: error: {e}")
         return 2
     from .storage.store import SessionBusy, SessionIdError, SessionStore
 

@@ -9,12 +9,13 @@ import os
 import sys
 from pathlib import Path
 
-from .args import DefaultsFormatter, number
+from .args import DefaultsFormatter, add_sampling_flags, number, sampling_overrides
 
 
 def _models(args) -> int:
     from .checkpoints import registry
     from .checkpoints.builder import build, parameter_count
+    from .checkpoints.generation import describe, qwen_generation_config, sampling_defaults
 
     entries = registry.registry()
     if args.action in (None, "list"):
@@ -59,6 +60,8 @@ def _models(args) -> int:
         print(f"  {ffn}; tied embeddings: {a.tie_word_embeddings}")
         print(f"  recurrent state: {a.recurrent_state_bytes():,} bytes per sequence (float32)")
         print(f"  KV cache: {a.kv_bytes_per_token():,} bytes per token (float32)")
+        defaults = sampling_defaults(qwen_generation_config(e))
+        print(f"  sampling defaults (generation_config.json; chat and serve): {describe(defaults)}")
         return 0
     if args.action == "build":
         if not args.out:
@@ -140,7 +143,12 @@ def _bench(args) -> int:
 def _serve(args) -> int:
     from .serving.server import run
 
-    return run(args)
+    try:
+        sampling = sampling_overrides(args)
+    except ValueError as e:
+        print(f"chatml serve: error: {e}", file=sys.stderr)
+        return 2
+    return run(args, sampling)
 
 
 def _version() -> str:
@@ -191,7 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="tiny", help="registry alias, checkpoint folder or Hub id")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=number(0, 65535), default=8080)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    key = s.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' (visible in ps: prefer the file "
+                     "or $CHATML_API_KEY)")  # fmt: skip
+    key.add_argument("--api-key-file", default=None, metavar="FILE",
+                     help="read the API key from FILE (surrounding whitespace ignored)")  # fmt: skip
     s.add_argument("--cache-bytes", type=number(1), default=None,
                    help="cache budget (default: RAM/4)")  # fmt: skip
     s.add_argument("--sequences", type=number(1), default=8,
@@ -201,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--parse-special-in-content", action="store_true",
                    help="special tokens written in message text (<|im_end|>...) become control "
                         "tokens, as in transformers (default: ordinary text)")  # fmt: skip
+    add_sampling_flags(s, "fields a request omits")
     s.set_defaults(func=_serve)
     return p
 

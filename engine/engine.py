@@ -54,6 +54,14 @@ class Engine:
             self._yield.clear()
             yield
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """SamplingParams fields from the checkpoint's generation_config.json (what the CLI and
+        the server start from; the Python API stays greedy unless told otherwise)."""
+        from .checkpoints.generation import sampling_defaults
+
+        return sampling_defaults(self.checkpoint.generation)
+
     def background_should_yield(self) -> bool:
         return self._yield.is_set()
 

@@ -146,6 +146,8 @@ class Session:
         top_k: int = 0,
         min_p: float = 0.0,
         repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
         tools: list[dict] | None = None,
         validate: Callable[[Turn], None] | None = None,
         ignore_eos: bool = False,
@@ -155,9 +157,14 @@ class Session:
         `tools` (function definitions) become the session's tools once the turn succeeds.
         `validate(turn)` may raise to reject the answer: the turn is then rolled back like any
         other failure. A new message while tool calls are open abandons them. `ignore_eos`
-        always generates `max_tokens` tokens (for benchmarks).
+        always generates `max_tokens` tokens (for benchmarks). Sampling is greedy unless told
+        otherwise (the checkpoint's generation_config.json is for the CLI and the server; see
+        `SamplingParams` for each option, `Engine.sampling_defaults` for the model's values).
         """
-        params = SamplingParams(temperature, top_p, top_k, min_p, repetition_penalty, seed=seed)
+        params = SamplingParams(
+            temperature, top_p, top_k, min_p, repetition_penalty, seed=seed,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        )  # fmt: skip
         current = [{"role": "user", "content": text}]
         return self._turn(current, params, max_tokens, validate, ignore_eos, tools)
 
@@ -419,7 +426,8 @@ def _resume_points(prompt, n_current: int) -> set[int]:
 
 
 def _params(kwargs: dict) -> SamplingParams:
-    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+             "presence_penalty", "frequency_penalty")  # fmt: skip
     unknown = set(kwargs) - set(names) - {"max_tokens", "validate", "ignore_eos"}
     if unknown:
         raise TypeError(f"unexpected option {sorted(unknown)[0]!r}")

@@ -71,3 +71,48 @@ def test_every_entry_has_a_consistent_plan(name):
     n_attn = sum(".self_attn.o_proj." in n for n in names)
     assert n_attn == arch.layer_types.count("full_attention")
     assert all(np.prod(s.shape) > 0 for s in plan)
+
+
+# Qwen's published sampling recommendations (Qwen3.5 model cards), by default mode.
+QWEN_THINKING = {"temperature": 1.0, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
+                 "presence_penalty": 1.5, "repetition_penalty": 1.0}  # fmt: skip
+QWEN_INSTRUCT = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0,
+                 "presence_penalty": 1.5, "repetition_penalty": 1.0}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, sampling",
+    [("tiny", QWEN_INSTRUCT), ("qwen3.5-0.8b", QWEN_INSTRUCT), ("qwen3.5-9b", QWEN_THINKING),
+     ("qwen3.5-35b-a3b", QWEN_THINKING)],
+)  # fmt: skip
+def test_generation_config_carries_qwens_sampling(name, sampling):
+    from engine.checkpoints.generation import qwen_generation_config, sampling_defaults
+
+    config = qwen_generation_config(registry.get(name))
+    assert config["do_sample"] is True and config["eos_token_id"] == [248046, 248044]
+    assert {k: config[k] for k in sampling} == sampling
+    assert sampling_defaults(config) == sampling
+
+
+def test_the_loader_reads_the_written_generation_config(tmp_path):
+    from engine.checkpoints.loader import inspect
+
+    path = build(registry.get("tiny"), tmp_path / "m")
+    assert json.loads((path / "generation_config.json").read_text())["presence_penalty"] == 1.5
+    assert inspect(path).generation["temperature"] == 0.7
+    (path / "generation_config.json").write_text("{broken")
+    assert inspect(path).generation == {}  # unreadable: no defaults, not a failed load
+    (path / "generation_config.json").unlink()
+    assert inspect(path).generation == {}
+
+
+def test_bad_generation_config_values_are_skipped(caplog):
+    from engine.checkpoints.generation import sampling_defaults
+
+    config = {"temperature": "hot", "top_k": 1.5, "top_p": 0.9, "presence_penalty": 9,
+              "min_p": None}  # fmt: skip
+    assert sampling_defaults(config) == {"top_p": 0.9}
+    assert "temperature" in caplog.text and "top_k" in caplog.text
+    assert sampling_defaults({"do_sample": False, "temperature": 0.6, "top_k": 20}) == {
+        "temperature": 0.0, "top_k": 20,
+    }  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +37,10 @@ def chatml(*args, stdin: str | bytes = "", timeout: float = 120) -> subprocess.C
     if raw:
         r.stdout, r.stderr = (b.decode("utf-8", "replace") for b in (r.stdout, r.stderr))
     return r
+
+
+# Plain greedy decoding, whatever the model's generation_config.json recommends.
+GREEDY = ("--temperature", "0", "--presence-penalty", "0")
 
 
 def new_id(prefix: str) -> str:
@@ -129,7 +134,7 @@ def test_zero_exchanges_keeps_no_history():
 
 def test_resume_in_a_new_process_equals_an_uninterrupted_run(tiny):
     sid = new_id("resume")
-    opts = ("--system", SYSTEM, "--max-tokens", "5", "--session", sid)
+    opts = ("--system", SYSTEM, "--max-tokens", "5", "--session", sid, *GREEDY)
     first = chatml("chat", *opts, stdin="\n".join(QUESTIONS[:3]) + "\n")
     assert first.returncode == 0, first.stderr
     second = chatml("chat", *opts, stdin=QUESTIONS[3] + "\n")
@@ -323,8 +328,8 @@ def test_version_and_help_show_defaults():
     version = chatml("--version")
     assert version.returncode == 0 and re.fullmatch(r"chatml \d+\.\d+\.\d+\S*\n", version.stdout)
     help_text = " ".join(chatml("chat", "--help").stdout.split())
-    for option, default in (("--max-tokens", "256"), ("--temperature", "0.0"),
-                            ("--max-exchanges", "6"), ("--model", "tiny")):  # fmt: skip
+    for option, default in (("--max-tokens", "256"), ("--max-exchanges", "6"),
+                            ("--model", "tiny")):  # fmt: skip
         assert re.search(rf"{option} \S+ .*?\(default: [^)]*{default}", help_text), option
 
 
@@ -358,7 +363,7 @@ def test_a_new_session_says_where_it_is_saved_and_show_has_no_none():
 @pytest.mark.parametrize(
     "options, hint",
     [
-        ((), "greedy decoding (--temperature 0) gives the same answer again"),
+        (("--temperature", "0"), "greedy decoding (--temperature 0) gives the same answer again"),
         (("--temperature", "0.8", "--seed", "3"), "a fixed --seed gives the same answer again"),
         (("--temperature", "0.8"), None),
     ],  # fmt: skip
@@ -397,3 +402,40 @@ def test_a_resumed_chat_warms_before_the_first_question(tiny, tmp_path, monkeypa
     assert s.warm_tokens > 0  # the re-rendered last answer was prefilled before the question
     new_message = len(tiny.tokenizer.encode(f"<|im_start|>user\n{QUESTIONS[2]}<|im_end|>\n"))
     assert s.prefilled_tokens <= new_message + 8  # the question and the generation prompt
+def test_sampling_defaults_come_from_the_checkpoint_and_flags_override_them(tiny, tmp_path):
+    """A checkpoint whose generation_config.json asks for greedy decoding with penalties:
+    `chatml chat` answers as the Python API does when given those values; a flag replaces
+    one value; the Python API itself stays plain greedy."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny.path, folder)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"do_sample": False, "presence_penalty": -1.0, "frequency_penalty": 0.3}
+    ))  # fmt: skip
+    question = "Say something again and again."
+
+    def chat_tokens(*flags) -> list[int]:
+        sid = new_id("defaults")
+        r = chatml("chat", "--model", str(folder), "--max-tokens", "12", "--session", sid,
+                   *flags, stdin=question + "\n")  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        return turns(sid)[0]["token_ids"]
+
+    def api_tokens(**options) -> list[int]:
+        return tiny.session(None).send(question, max_tokens=12, **options).token_ids
+
+    penalized = api_tokens(presence_penalty=-1.0, frequency_penalty=0.3)
+    assert penalized != api_tokens()  # the defaults make a difference
+    assert chat_tokens() == penalized
+    assert chat_tokens("--presence-penalty", "0", "--frequency-penalty", "0") == api_tokens()
+    assert chat_tokens("--frequency-penalty", "0") == api_tokens(presence_penalty=-1.0)
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [(("--top-p", "0"), "top_p must be in (0, 1]"), (("--min-p", "1"), "min_p"),
+     (("--top-k", "1.5"), "expected an integer"), (("--presence-penalty", "3"), "<= 2.0"),
+     (("--seed", "-1"), "seed must be an integer from 0 to 2**64-1")],
+)  # fmt: skip
+def test_bad_sampling_flags_are_usage_errors(flags, words):
+    r = chatml("chat", "-p", "hi", *flags)
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr

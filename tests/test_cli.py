@@ -71,3 +71,10 @@ def test_doctor_shows_the_data_folder_and_no_empty_note(capsys, monkeypatch):
     assert "blas_note" not in out and "blas_provider: scipy-openblas32" in out
     assert main(["doctor", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["chatml_home"] == os.environ["CHATML_HOME"]
+def test_models_info_shows_the_sampling_defaults(capsys):
+    assert main(["models", "info", "qwen3.5-9b"]) == 0
+    out = capsys.readouterr().out
+    assert ("sampling defaults (generation_config.json; chat and serve): temperature 1.0, "
+            "top_p 0.95, top_k 20, min_p 0.0, presence_penalty 1.5") in out  # fmt: skip
+    assert main(["models", "info", "qwen3.5-0.8b"]) == 0
+    assert "temperature 0.7, top_p 0.8, top_k 20" in capsys.readouterr().out

@@ -36,7 +36,8 @@ def client(srv, key: str = "unused") -> openai.OpenAI:
 
 
 def ask(c: openai.OpenAI, messages: list, **kw):
-    kw = {"max_tokens": MAX_TOKENS, "temperature": 0, **kw}
+    # Plain greedy: the checkpoint's defaults (presence_penalty) would apply otherwise.
+    kw = {"max_tokens": MAX_TOKENS, "temperature": 0, "presence_penalty": 0, **kw}
     return c.chat.completions.create(model="tiny", messages=messages, **kw)
 
 

@@ -3,8 +3,15 @@
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from engine.checkpoints.tokenizer import StreamDecoder, Tokenizer, tokenizer_json
+from engine.checkpoints.tokenizer import (
+    StreamDecoder,
+    Tokenizer,
+    encode_in_pieces,
+    tokenizer_json,
+)
 
 FRAGMENTS = [
     "Hello, world!", "你好，世界", "今天天气很好。我们去公园散步吧！", "こんにちは、元気ですか", "한국어 텍스트",
@@ -77,3 +84,43 @@ def test_stream_decoder_emits_only_whole_characters(ours):
     pieces.append(dec.flush())
     assert "".join(pieces) == text
     assert len([p for p in pieces if p]) > 3  # it streams, not one piece at the end
+
+
+# ----- long texts encoded a piece at a time (the server, issue 14 item 7) -------------------
+
+PIECES = FRAGMENTS + [
+    "'s",
+    "'T",
+    "a'",
+    " 's",
+    "ᄀ",
+    "ᅡ",
+    "\u0301",
+    "\u0308",
+    "\r",
+    " \r\n",
+    "12",
+    " ",
+]
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(
+    parts=st.lists(st.one_of(st.sampled_from(PIECES), st.text(max_size=6)), max_size=30),
+    size=st.integers(1, 40),
+)
+def test_encoding_in_pieces_gives_the_whole_texts_ids(ours, parts, size):
+    text = "".join(parts)
+    assert encode_in_pieces(ours.encode, text, size) == ours.encode(text)
+
+
+def test_long_prose_is_encoded_in_many_calls(ours):
+    text = " ".join(FRAGMENTS) * 40
+    calls = []
+
+    def encode(piece):
+        calls.append(len(piece))
+        return ours.encode(piece)
+
+    assert encode_in_pieces(encode, text, 500) == ours.encode(text)
+    assert len(calls) > len(text) // 1000 and max(calls) <= 1000

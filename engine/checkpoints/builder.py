@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .generation import FILE as GENERATION_CONFIG
+from .generation import qwen_generation_config
 from .registry import Architecture, ModelEntry
 from .tokenizer import dump_json, tokenizer_config, tokenizer_json
 
@@ -291,9 +293,7 @@ def build(
         sys.stderr.write("\n")
 
     (work / "config.json").write_bytes(dump_json(hf_config(entry, dtype)))
-    (work / "generation_config.json").write_bytes(
-        dump_json({"eos_token_id": [248046, 248044], "pad_token_id": 248044})
-    )
+    (work / GENERATION_CONFIG).write_bytes(dump_json(qwen_generation_config(entry)))
     (work / "tokenizer_config.json").write_bytes(dump_json(tokenizer_config(entry.context_window)))
     shutil.copyfile(tokenizer_json(), work / "tokenizer.json")
     shutil.copyfile(TEMPLATES / f"{entry.template}.jinja", work / "chat_template.jinja")

@@ -6,16 +6,17 @@ import hashlib
 import json
 import os
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..paths import chatml_home
 from . import registry
+from .generation import read_generation_config
 from .registry import Architecture, ModelEntry
 from .tokenizer import Tokenizer
 
 SUPPORTED_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-BUILD_VERSION = 1  # bump when the builder's output changes: rebuilds cached embedded models
+BUILD_VERSION = 2  # bump when the builder's output changes: rebuilds cached embedded models
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 
 
@@ -29,6 +30,7 @@ class Checkpoint:
     entry: ModelEntry
     fingerprint: str  # identifies the weights: config, tensor headers and file sizes
     quantization: dict | None
+    generation: dict = field(default_factory=dict)  # generation_config.json ({} if none)
 
 
 def embedded_path(entry: ModelEntry) -> Path:
@@ -192,7 +194,7 @@ def inspect(path: Path, entry: ModelEntry | None = None) -> Checkpoint:
     else:
         entry = replace(entry, arch=arch, template=variant or entry.template)
     quant = config.get("quantization") or config.get("quantization_config")
-    return Checkpoint(path, entry, digest.hexdigest()[:16], quant)
+    return Checkpoint(path, entry, digest.hexdigest()[:16], quant, read_generation_config(path))
 
 
 def load_weights(ckpt: Checkpoint, model, dtype, *, dequantize_quantized: bool) -> None:

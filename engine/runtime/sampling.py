@@ -19,9 +19,24 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How to pick tokens. The defaults are plain greedy decoding (the Python API's default).
+
+    `presence_penalty` and `frequency_penalty` follow OpenAI: a token already generated in
+    this answer has its logit lowered by `presence_penalty` once plus `frequency_penalty`
+    times its count (the prompt does not count). `repetition_penalty` (divide positive
+    logits, multiply negative ones) looks at the last `repetition_window` tokens, prompt
+    included.
+    """
+
     temperature: float = 0.0  # 0 is greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 keeps all
@@ -34,22 +49,36 @@ class SamplingParams:
 
     def __post_init__(self):
         problems = []
+        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty")  # fmt: skip
+        bad_type = [n for n in floats if not _is_number(getattr(self, n))]
+        for name in bad_type:
+            problems.append(f"{name} must be a number, got {getattr(self, name)!r}")
+        ok = set(floats) - set(bad_type)
         # Written so that NaN fails every check (each comparison with NaN is false).
-        if not self.temperature >= 0 or self.temperature == float("inf"):
-            problems.append(f"temperature must be >= 0 and finite, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        t = self.temperature
+        if "temperature" in ok and (not t >= 0 or t == float("inf")):
+            problems.append(f"temperature must be >= 0 and finite, got {t}")
+        if "top_p" in ok and not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if not self.top_k >= 0:
-            problems.append(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_p < 1:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            problems.append(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if "min_p" in ok and not 0 <= self.min_p < 1:
             problems.append(f"min_p must be in [0, 1), got {self.min_p}")
-        if not 0 < self.repetition_penalty < float("inf"):
-            problems.append(
-                f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}"
-            )
+        r = self.repetition_penalty
+        if "repetition_penalty" in ok and not 0 < r < float("inf"):
+            problems.append(f"repetition_penalty must be > 0 and finite, got {r}")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
+            if name in ok and not -2 <= getattr(self, name) <= 2:
                 problems.append(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+        w = self.repetition_window
+        if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+            problems.append(f"repetition_window must be an integer >= 1, got {w!r}")
+        s = self.seed
+        if s is not None and (
+            not isinstance(s, int) or isinstance(s, bool) or not 0 <= s <= MAX_SEED
+        ):
+            problems.append(f"seed must be an integer from 0 to 2**64-1, got {s!r}")
         if problems:
             raise ValueError("; ".join(problems))
 

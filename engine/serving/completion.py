@@ -1,5 +1,7 @@
 """The OpenAI chat-completions request and answer, without HTTP: parsing, rendering, output text.
 
+- `decode_body`: the raw body to JSON, refusing what no later step could handle (lone
+  surrogates, nesting past MAX_JSON_DEPTH, integers of thousands of digits) with a 400.
 - `parse_request`: the JSON body to a `ChatRequest`, or an `ApiError` naming the bad field.
 - `render_request`: the whole conversation to prompt ids and boundaries (nothing is dropped:
   a prompt that does not fit the context window is an error, never a silent trim).
@@ -26,9 +28,17 @@ from renderer import (
     split_conversation,
     validate_exchange,
 )
+from renderer.validation import (
+    check_text_only,
+    check_tool_results,
+    json_path,
+    json_problem,
+    loads_json,
+    validate_tools,
+)
 
-from ..checkpoints.tokenizer import check_special_mode
-from ..runtime.sampling import SamplingParams
+from ..checkpoints.tokenizer import check_special_mode, encode_in_pieces
+from ..runtime.sampling import MAX_SEED, SamplingParams
 from ..turn import ToolCall, parse_tool_calls, split_reasoning
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
@@ -79,13 +89,29 @@ class ChatRequest:
     preserve_thinking: bool | None = None
 
 
-def _number(body: Mapping, name: str, lo: float, hi: float, default: float) -> float:
+def decode_body(raw: bytes) -> Any:
+    """The request body as JSON; ApiError(400) for anything no later step can take."""
+    try:
+        body = loads_json(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+        raise _bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    problem = json_problem(body)
+    if problem:
+        keys, reason = problem
+        param = json_path("", keys) or None
+        raise _bad(f"{param or 'the body'}: {reason}", param, "invalid_value")
+    return body
+
+
+def _number(body: Mapping, name: str, lo: float, hi: float, default: float | None) -> float | None:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _bad(f"'{name}' must be a number", name, "invalid_type")
-    if not lo <= value <= hi:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _bad(f"'{name}' must be a finite number", name, "invalid_value")
+    if not lo <= value <= hi:  # exact for ints of any size (no float conversion)
         raise _bad(f"'{name}' must be between {lo} and {hi}, got {value}", name, "invalid_value")
     return float(value)
 
@@ -108,11 +134,26 @@ def _flag(body: Mapping, name: str, param: str | None = None) -> bool | None:
     return value
 
 
-def parse_request(body: Any) -> ChatRequest:
+# Sampling fields a request may set, their range and the value when neither the request nor
+# the checkpoint's generation_config.json sets one (OpenAI's defaults).
+_SAMPLING = {
+    "temperature": (0.0, 2.0, 1.0),
+    "top_p": (0.0, 1.0, 1.0),
+    "min_p": (0.0, 1.0, 0.0),
+    "repetition_penalty": (0.0, 10.0, 1.0),
+    "presence_penalty": (-2.0, 2.0, 0.0),
+    "frequency_penalty": (-2.0, 2.0, 0.0),
+}
+
+
+def parse_request(body: Any, defaults: Mapping | None = None) -> ChatRequest:
     """Check a chat-completions body; raises ApiError(400) naming the offending parameter.
 
-    Message contents are checked later, by the renderer (`render_request`).
+    `defaults`: SamplingParams fields for what the request omits (the checkpoint's
+    generation_config.json in the server). Message contents are checked later, by the
+    renderer (`Renderer.render`).
     """
+    defaults = defaults or {}
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None)
     messages = body.get("messages")
@@ -124,21 +165,21 @@ def parse_request(body: Any) -> ChatRequest:
     n = _integer(body, "n")
     if n not in (None, 1):
         raise _bad("only n=1 is supported", "n", "unsupported_value")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if _number(body, name, -2.0, 2.0, 0.0) != 0.0:
-            raise _bad(f"'{name}' is not supported (use repetition_penalty)", name, "unsupported")
-    if body.get("logprobs"):
+    if _flag(body, "logprobs"):
         raise _bad("logprobs are not supported", "logprobs", "unsupported")
+    if body.get("top_logprobs") is not None:
+        raise _bad("top_logprobs is not supported (no logprobs)", "top_logprobs", "unsupported")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _bad("only response_format {'type': 'text'} is supported", "response_format")
 
     tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise _bad("'tools' must be a list of tool definitions", "tools", "invalid_type")
-    for i, tool in enumerate(tools or []):
-        if not isinstance(tool, dict):
-            raise _bad(f"tools[{i}] must be an object", f"tools[{i}]", "invalid_type")
+    if tools is not None:
+        try:
+            validate_tools(tools)
+        except RenderError as e:
+            code = "invalid_type" if e.field == "tools" else "invalid_value"
+            raise _bad(f"{e.field}: {e.reason}", e.field, code) from None
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
         raise _bad("tool_choice must be 'auto' or 'none'", "tool_choice", "unsupported_value")
@@ -165,9 +206,13 @@ def parse_request(body: Any) -> ChatRequest:
     if len(stop) > MAX_STOP_STRINGS:
         raise _bad(f"'stop' takes at most {MAX_STOP_STRINGS} strings", "stop", "invalid_value")
 
-    kwargs = body.get("chat_template_kwargs") or {}
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
     if not isinstance(kwargs, dict):
-        raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        raise _bad(
+            "'chat_template_kwargs' must be an object", "chat_template_kwargs", "invalid_type"
+        )
     for key in kwargs:
         if key not in ("enable_thinking", "preserve_thinking"):
             raise _bad(
@@ -177,15 +222,17 @@ def parse_request(body: Any) -> ChatRequest:
     thinking = _flag(kwargs, "enable_thinking", "chat_template_kwargs.enable_thinking")
     preserve = _flag(kwargs, "preserve_thinking", "chat_template_kwargs.preserve_thinking")
 
+    sampling = {
+        name: _number(body, name, lo, hi, defaults.get(name, fallback))
+        for name, (lo, hi, fallback) in _SAMPLING.items()
+    }
+    top_k = _integer(body, "top_k", 0)
+    sampling["top_k"] = defaults.get("top_k", 0) if top_k is None else top_k
+    seed = _integer(body, "seed", 0)
+    if seed is not None and seed > MAX_SEED:
+        raise _bad(f"'seed' must be at most 2**64-1, got {seed}", "seed", "invalid_value")
     try:
-        params = SamplingParams(
-            temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
-            top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
-            top_k=_integer(body, "top_k", 0) or 0,
-            min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
-            repetition_penalty=_number(body, "repetition_penalty", 0.0, 10.0, 1.0),
-            seed=_integer(body, "seed"),
-        )
+        params = SamplingParams(**sampling, seed=seed)
     except ValueError as e:  # e.g. top_p == 0 or min_p == 1
         raise _bad(str(e), str(e).split(" ", 1)[0], "invalid_value") from None
     return ChatRequest(
@@ -202,17 +249,91 @@ def _message_param(error: RenderError, offset: int) -> str:
     return f"{param}.{error.field}" if error.field else param
 
 
+class SharedSegmentCache(SegmentCache):
+    """A SegmentCache for many threads: the lock covers lookups and stores, never `encode`,
+    so one huge request being tokenized does not hold up the others; long texts are encoded
+    a piece at a time, so the GIL the tokenizer holds is released between pieces."""
+
+    def __init__(self, maxsize: int = 1024) -> None:
+        super().__init__(maxsize)
+        self._lock = threading.Lock()
+
+    def encode(self, encode, text: str, spans: tuple | None = None) -> tuple[int, ...]:
+        key = text if spans is None else (text, spans)
+        with self._lock:
+            ids = self._data.get(key)
+            if ids is not None:
+                self.hits += 1
+                self._data.move_to_end(key)
+                return ids
+            self.misses += 1
+        ids = tuple(encode_in_pieces(encode, text, spans=spans)) if text else ()
+        with self._lock:
+            self._data[key] = ids
+            self._data.move_to_end(key)
+            if len(self._data) > self.maxsize:
+                self._data.popitem(last=False)
+        return ids
+
+
+def _verbatim_bytes(messages: Sequence[Mapping]) -> int:
+    """UTF-8 bytes of the text the template copies verbatim: system, user and tool contents,
+    trimmed as it trims them (assistant contents may lose a think part, so they do not count)."""
+    total = 0
+    for m in messages:
+        if m.get("role") not in ("system", "user", "tool"):
+            continue
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p["text"] for p in content if isinstance(p.get("text"), str))
+        if isinstance(content, str):
+            total += len(content.strip().encode("utf-8"))
+    return total
+
+
 class Renderer:
     """Renders requests to prompts for one engine; thread-safe (one shared segment cache).
 
-    `special_tokens_in_content`: see `Session` ("text": no role forgery through message text).
+    With a context `window`, a request whose text cannot fit it is refused before anything
+    is tokenized: no token spans more than `max_token_bytes` bytes, so N bytes of verbatim
+    text are at least N / max_token_bytes tokens. `special_tokens_in_content`: see `Session`
+    ("text": no role forgery through message text).
     """
 
-    def __init__(self, engine, special_tokens_in_content: str = "text"):
+    def __init__(
+        self, engine, window: int | None = None, special_tokens_in_content: str = "text"
+    ):
         self.engine = engine
+        self.window = window
         self.text_spans = check_special_mode(special_tokens_in_content) == "text"
-        self.segments = SegmentCache(4096)
-        self._lock = threading.Lock()  # SegmentCache is an OrderedDict: one writer at a time
+        self.segments = SharedSegmentCache(4096)
+        self._max_token_bytes: int | None = None
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most bytes one token of the vocabulary stands for (special tokens included)."""
+        if self._max_token_bytes is None:
+            # Byte-level BPE: each character of a vocabulary entry is one byte; added tokens
+            # (<|im_start|>...) are their text.
+            vocab = self.engine.tokenizer.backend.get_vocab(with_added_tokens=True)
+            self._max_token_bytes = max(map(len, vocab))
+        return self._max_token_bytes
+
+    def check_length(self, request: ChatRequest) -> None:
+        """ApiError(400) if the request's text alone is surely longer than the window."""
+        if self.window is None:
+            return
+        size = _verbatim_bytes(request.messages)
+        if size > self.window * self.max_token_bytes:
+            at_least = size // self.max_token_bytes
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.window} tokens, but the "
+                f"messages take at least {at_least} tokens ({size} bytes of text). Shorten the "
+                "conversation (the server never drops messages).",
+                param="messages",
+                code="context_length_exceeded",
+            )
 
     def render(self, request: ChatRequest) -> Prompt:
         """The prompt of the whole conversation; ApiError(400) naming the bad message field."""
@@ -230,24 +351,38 @@ class Renderer:
                 raise _bad(e.reason, _message_param(e, offset), "invalid_message") from None
             offset += len(exchange)
         try:
-            with self._lock:
-                return build_prompt(
-                    self.engine.tokenizer.encode,
-                    system=system,
-                    history=history,
-                    current=current,
-                    max_exchanges=10**9,  # stateless clients send what they want seen: keep all
-                    max_tokens=None,  # the context check is ours, with a clear 400
-                    variant=self.engine.entry.template,
-                    enable_thinking=request.enable_thinking,
-                    tools=request.tools,
-                    preserve_thinking=request.preserve_thinking,
-                    cache=self.segments,
-                    text_spans=self.text_spans,
-                )
+            check_tool_results(request.messages)
+            check_text_only(request.messages)
+        except RenderError as e:
+            raise _bad(e.reason, _message_param(e, 0), "invalid_message") from None
+        self.check_length(request)
+        try:
+            return build_prompt(
+                self.engine.tokenizer.encode,
+                system=system,
+                history=history,
+                current=current,
+                max_exchanges=10**9,  # stateless clients send what they want seen: keep all
+                max_tokens=None,  # the context check is ours, with a clear 400
+                variant=self.engine.entry.template,
+                enable_thinking=request.enable_thinking,
+                tools=request.tools,
+                preserve_thinking=request.preserve_thinking,
+                cache=self.segments,
+                text_spans=self.text_spans,
+            )
         except RenderError as e:
             param = "tools" if e.field == "tools" else _message_param(e, 0)
             raise _bad(str(e), param, "invalid_message") from None
+
+
+def prepare(
+    raw: bytes, renderer: Renderer, defaults: Mapping | None = None
+) -> tuple[ChatRequest, Prompt]:
+    """A request body to its checked request and prompt: everything the server does before
+    queueing a job; ApiError (4xx) for any bad input, however malformed."""
+    request = parse_request(decode_body(raw), defaults)
+    return request, renderer.render(request)
 
 
 def output_budget(request: ChatRequest, prompt_tokens: int, window: int, default: int) -> int:

@@ -15,7 +15,9 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -31,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .completion import ApiError, Renderer, output_budget, parse_request
+from .completion import ApiError, Renderer, output_budget, prepare
 from .pool import DEFAULT_SEQUENCES
 from .worker import Job, ModelWorker, Result
 
@@ -40,6 +42,39 @@ log = logging.getLogger("chatml.server")
 DEFAULT_MAX_TOKENS = 512  # when a request sets no max_tokens (capped by the context window)
 MAX_BODY_BYTES = 4 << 20
 MAX_QUEUED = 64  # jobs waiting for the model; beyond that, 503 (clients retry)
+API_KEY_ENV = "CHATML_API_KEY"
+
+
+def check_api_key(key: str, source: str = "the API key") -> str:
+    """`key` without surrounding whitespace; ValueError if empty or not sendable in a header.
+
+    An empty key would turn authentication off (`--api-key "$UNSET"`), and a key with spaces
+    around it could never match: HTTP trims header values.
+    """
+    key = key.strip()
+    if not key:
+        raise ValueError(f"{source} is empty")
+    if not all("!" <= c <= "~" for c in key):
+        raise ValueError(f"{source} must be printable ASCII without spaces")
+    return key
+
+
+def resolve_api_key(
+    key: str | None, key_file: str | None, environ: dict | os._Environ = os.environ
+) -> str | None:
+    """The key from --api-key, --api-key-file or $CHATML_API_KEY (in that order); None if
+    none is given. ValueError naming the source when it is unusable."""
+    if key is not None:
+        return check_api_key(key, "--api-key")
+    if key_file is not None:
+        try:
+            text = open(key_file, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file: cannot read {key_file}: {e}") from None
+        return check_api_key(text, f"--api-key-file {key_file}")
+    if API_KEY_ENV in environ:
+        return check_api_key(environ[API_KEY_ENV], API_KEY_ENV)
+    return None
 
 
 @dataclass
@@ -55,6 +90,9 @@ class ServerConfig:
     context_window: int | None = None  # default: the model's
     warm: bool = True  # prefill each answered conversation's next prompt while idle
     special_tokens_in_content: str = "text"  # "parse": --parse-special-in-content
+    # Sampling defaults for fields a request omits (SamplingParams fields); None: the
+    # checkpoint's generation_config.json, then OpenAI's defaults.
+    sampling: dict | None = None
 
 
 # ----- HTTP ---------------------------------------------------------------------------------
@@ -70,7 +108,7 @@ class BearerAuth:
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.key = api_key.encode()
+        self.key = check_api_key(api_key).encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] == "/health":
@@ -85,7 +123,7 @@ class BearerAuth:
         return await self.app(scope, receive, send)
 
 
-async def _read_json(request: Request, limit: int):
+async def _read_body(request: Request, limit: int) -> bytes:
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > limit:
         raise ApiError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
@@ -95,12 +133,7 @@ async def _read_json(request: Request, limit: int):
         if size > limit:  # chunked bodies have no Content-Length: count as they come
             raise ApiError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
         body.append(chunk)
-    try:
-        return json.loads(b"".join(body))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(
-            400, f"the request body is not valid JSON: {e}", code="invalid_json"
-        ) from None
+    return b"".join(body)
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:
@@ -119,7 +152,8 @@ class ServerApp:
         self.engine = engine
         self.config = config
         self.window = config.context_window or engine.entry.context_window
-        self.renderer = Renderer(engine, config.special_tokens_in_content)
+        self.sampling = engine.sampling_defaults if config.sampling is None else config.sampling
+        self.renderer = Renderer(engine, self.window, config.special_tokens_in_content)
         self.worker = ModelWorker(engine, config.sequences, self.renderer, config.warm)
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -130,7 +164,8 @@ class ServerApp:
         self.starlette = Starlette(
             routes=routes, exception_handlers=handlers, lifespan=self._lifespan
         )
-        self.asgi = BearerAuth(self.starlette, config.api_key) if config.api_key else self.starlette
+        key = config.api_key
+        self.asgi = self.starlette if key is None else BearerAuth(self.starlette, key)
 
     async def __call__(self, scope, receive, send) -> None:
         await self.asgi(scope, receive, send)
@@ -164,13 +199,14 @@ class ServerApp:
 
     async def chat(self, request: Request) -> Response:
         try:
-            body = await _read_json(request, self.config.max_body_bytes)
-            chat = parse_request(body)
-            prompt = await anyio.to_thread.run_sync(self.renderer.render, chat)
+            raw = await _read_body(request, self.config.max_body_bytes)
+            self._check_queue()  # before any work on the body
+            # Parsing, checking and tokenizing run on a thread, holding no lock that another
+            # request waits on: a huge body does not stall the event loop or small requests.
+            chat, prompt = await anyio.to_thread.run_sync(prepare, raw, self.renderer,
+                                                          self.sampling)  # fmt: skip
             max_tokens = output_budget(chat, len(prompt.ids), self.window, self.config.max_tokens)
-            if self.worker.jobs.qsize() >= self.config.max_queued:
-                raise ApiError(503, "the server is busy; retry later", type="server_error",
-                               code="overloaded")  # fmt: skip
+            self._check_queue()
         except ApiError as e:
             return _error(e)
 
@@ -209,6 +245,11 @@ class ServerApp:
         if event[0] == "error":
             return _error(event[1])
         return JSONResponse(self._completion(event[1], ident, created))
+
+    def _check_queue(self) -> None:
+        if self.worker.jobs.qsize() >= self.config.max_queued:
+            raise ApiError(503, "the server is busy; retry later", type="server_error",
+                           code="overloaded")  # fmt: skip
 
     def _usage(self, r: Result) -> dict:
         return {
@@ -336,20 +377,51 @@ class BackgroundServer:
         self.stop()
 
 
-def run(args: argparse.Namespace) -> int:
-    """`chatml serve`: load the model, serve until interrupted."""
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (IPv6 for an address with ':')."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
+def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
+    """`chatml serve`: bind, load the model, serve until interrupted.
+
+    The port is bound first, so a taken port fails at once, naming it; the banner is printed
+    only once the socket listens and the model is loaded. `sampling` overrides the
+    checkpoint's sampling defaults (flags).
+    """
     import engine as engine_pkg
 
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    from ..checkpoints.generation import describe
+
+    try:
+        api_key = resolve_api_key(args.api_key, args.api_key_file)
+    except ValueError as e:
+        print(f"chatml serve: error: {e}", file=sys.stderr)
+        return 2
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning(
-            "serving on %s without --api-key: anyone who can reach it can use it", args.host
+            "serving on %s without an API key: anyone who can reach it can use it", args.host
         )
-    eng = engine_pkg.load(args.model, cache_bytes=args.cache_bytes)
-    config = ServerConfig(
-        model=args.model, host=args.host, port=args.port, api_key=args.api_key,
-        sequences=args.sequences, max_tokens=args.max_tokens,
-        special_tokens_in_content="parse" if args.parse_special_in_content else "text",
-    )  # fmt: skip
-    print(f"chatml serve: {args.model} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(create_app(eng, config), host=args.host, port=args.port, log_level="info")
+    try:
+        sock = listen(args.host, args.port)
+    except OSError as e:
+        print(f"chatml serve: cannot listen on {args.host} port {args.port}: {e.strerror or e}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    with sock:
+        eng = engine_pkg.load(args.model, cache_bytes=args.cache_bytes)
+        defaults = {**eng.sampling_defaults, **(sampling or {})}
+        config = ServerConfig(
+            model=args.model, host=args.host, port=args.port, api_key=api_key,
+            sequences=args.sequences, max_tokens=args.max_tokens, sampling=defaults,
+            special_tokens_in_content="parse" if args.parse_special_in_content else "text",
+        )  # fmt: skip
+        host, port = sock.getsockname()[:2]
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+        print(f"chatml serve: {args.model} on {url}", flush=True)
+        shown = describe(defaults) if defaults else "OpenAI's (temperature 1, top_p 1)"
+        print(f"  sampling defaults (a request's fields replace them): {shown}", flush=True)
+        server = uvicorn.Server(uvicorn.Config(create_app(eng, config), log_level="info"))
+        server.run(sockets=[sock])
     return 0

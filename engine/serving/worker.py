@@ -120,16 +120,18 @@ class ModelWorker:
         answer: dict = {"role": "assistant", "content": m.content or ""}
         if m.tool_calls:
             answer["tool_calls"] = m.openai_tool_calls()
-            nxt = {"role": "tool", "content": "x"}  # the results continue this exchange
+            # The results continue this exchange: one per call (the request check insists).
+            nxt = [{"role": "tool", "content": "x"} for _ in m.tool_calls]
         else:
-            nxt = {"role": "user", "content": "x"}
-        request = dataclasses.replace(job.request, messages=[*job.request.messages, answer, nxt])
+            nxt = [{"role": "user", "content": "x"}]
+        messages = [*job.request.messages, answer, *nxt]
+        request = dataclasses.replace(job.request, messages=messages)
         try:
             prompt = self.renderer.render(request)
         except ApiError:
             return  # nothing to prepare (e.g. the answer itself is not renderable)
         b = prompt.boundaries
-        prefix = prompt.ids[: b.message_starts[-1]]
+        prefix = prompt.ids[: b.message_starts[-len(nxt)]]  # up to the first unknown message
         stops = b.points()  # those past the prefix are ignored
         start, end = seq.extend(
             prefix, stops=stops,

@@ -1,0 +1,115 @@
+"""Sampling options: checked up front, and the penalties against a numpy reference.
+
+Reference semantics (OpenAI): a token already generated in this answer loses
+`presence_penalty` once plus `frequency_penalty` x its count; the prompt does not count.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.runtime.generate import prefill
+from engine.runtime.sampling import Sampler, SamplingParams
+
+
+def reference(logits, prompt, generated, *, presence=0.0, frequency=0.0, repetition=1.0,
+              window=64) -> np.ndarray:  # fmt: skip
+    """The penalized logits, in float64 numpy, straight from the definitions."""
+    out = np.asarray(logits, dtype=np.float64).copy()
+    if repetition != 1.0:
+        for t in set((list(prompt) + list(generated))[-window:]):
+            out[t] = out[t] / repetition if out[t] > 0 else out[t] * repetition
+    counts = np.bincount(np.asarray(generated, dtype=np.int64), minlength=len(out))
+    return out - frequency * counts - presence * (counts > 0)
+
+
+@pytest.mark.parametrize(
+    "presence, frequency, repetition",
+    [(1.5, 0.0, 1.0), (0.0, 0.7, 1.0), (-1.0, 2.0, 1.0), (0.5, -0.25, 1.3), (2.0, 2.0, 0.8)],
+)
+def test_penalties_match_numpy(presence, frequency, repetition):
+    rng = np.random.default_rng(7)
+    vocab = 50
+    prompt = rng.integers(0, vocab, 30).tolist()
+    generated = rng.integers(0, 12, 40).tolist()  # a few tokens, many repeats
+    params = SamplingParams(presence_penalty=presence, frequency_penalty=frequency,
+                            repetition_penalty=repetition)  # fmt: skip
+    sampler = Sampler(params)
+    assert not sampler.reads_history  # device-side counts: the decode loop runs ahead
+    history = list(prompt)
+    for step in range(len(generated) + 1):
+        logits = rng.normal(0, 3, vocab).astype(np.float32)
+        got = np.array(sampler.process(mx.array(logits), history))
+        want = reference(logits, prompt, generated[:step], presence=presence,
+                         frequency=frequency, repetition=repetition)  # fmt: skip
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+        # Greedy picks the reference's best token.
+        assert int(Sampler(params).__call__(mx.array(want, dtype=mx.float32), [])) == int(
+            np.argmax(want)
+        )
+        if step < len(generated):
+            history.append(generated[step])
+            for p in sampler.processors:  # the answer's next token, as a pick would push it
+                p.advance(mx.array(generated[step]))
+
+
+def test_greedy_answers_with_penalties_match_a_numpy_decode(tiny):
+    """Session.send with penalties equals a decode that re-runs the whole sequence each step
+    (fresh caches, no snapshots) and applies the penalties in numpy."""
+    s = tiny.session("Be repetitive.")
+    n = 12
+    # Random weights rarely repeat a token: a negative presence penalty makes them, and the
+    # frequency penalty then pushes a token away once it has repeated enough.
+    options = dict(presence_penalty=-1.0, frequency_penalty=0.3)
+    turn = s.send("Say something again and again.", max_tokens=n, **options)
+    ids, generated = list(turn.prompt_ids), []
+    with tiny.lock:
+        for _ in range(len(turn.token_ids)):
+            logits, _ = prefill(tiny.model, tiny.model.make_caches(), ids + generated, 0)
+            want = reference(np.array(logits.astype(mx.float32)), ids, generated,
+                             presence=-1.0, frequency=0.3)  # fmt: skip
+            token = int(np.argmax(want))
+            generated.append(token)
+            if token in tiny.stop_ids:
+                break
+    assert turn.token_ids == generated
+    assert len(set(generated)) < len(generated)  # both penalties were at work
+    # The penalties changed something: plain greedy gives another answer.
+    plain = tiny.session("Be repetitive.").send("Say something again and again.", max_tokens=n)
+    assert plain.token_ids != turn.token_ids
+
+
+@pytest.mark.parametrize(
+    "options, name",
+    [
+        ({"top_k": 1.5}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"top_k": "3"}, "top_k"),
+        ({"top_k": -1}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": 10**30}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"presence_penalty": "1"}, "presence_penalty"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": None}, "top_p"),
+    ],
+)
+def test_bad_options_fail_up_front_naming_the_option(tiny, options, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**options)
+    s = tiny.session("sys")
+    before = (list(s.history), list(s.seq.tokens))
+    with pytest.raises(ValueError, match=name):
+        s.send("hello", max_tokens=2, **options)
+    assert (s.history, s.seq.tokens) == before  # nothing was touched
+
+
+@pytest.mark.parametrize("seed", [0, 2**63, 2**64 - 1])
+def test_every_seed_mlx_takes_is_accepted(seed):
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
+    assert 0 <= int(sampler(mx.zeros(8), [])) < 8
