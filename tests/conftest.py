@@ -29,3 +29,10 @@ def tiny_sequential():
     """`tiny` with the sequential gated-delta path (the reference for the chunked kernel)."""
 
     return engine.load("tiny", chunked_delta=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16():
+    """The embedded `tiny` engine computing in bfloat16 (the GPU dtype), on this CPU."""
+
+    return engine.load("tiny", dtype="bfloat16")

@@ -18,7 +18,8 @@ from .sampling import Sampler
 PREFILL_CHUNK = 512
 
 
-def eval_caches(caches: list) -> None:
+def cache_arrays(caches: list) -> list[mx.array]:
+    """Every array the caches hold, recorded states included."""
     arrays = []
     for c in caches:
         for a in (getattr(c, "keys", None), getattr(c, "values", None),
@@ -26,8 +27,14 @@ def eval_caches(caches: list) -> None:
             if isinstance(a, mx.array):
                 arrays.append(a)
         for recorded in getattr(c, "captured", {}).values():
-            arrays.extend(recorded)
-    mx.eval(arrays)
+            arrays.extend(a for a in recorded if a is not None)
+    return arrays
+
+
+def eval_caches(caches: list) -> None:
+    """Evaluate the caches on this thread. MLX streams are per thread: an array left lazy here
+    fails when another thread evaluates it ("There is no Stream(cpu, 0) in current thread")."""
+    mx.eval(cache_arrays(caches))
 
 
 def chunk_ends(start: int, end: int, chunk: int = PREFILL_CHUNK) -> list[int]:
@@ -103,7 +110,19 @@ def decode(
     back; MLX arrays are immutable, so keeping them costs nothing). The first token is read
     before anything is queued behind it: it is the time to first token. A sampler that reads
     the token history (the repetition penalty) runs one step at a time.
+
+    Every step's caches are queued with its token, and on every way out the caches are
+    evaluated here, on the thread that built them: nothing lazy outlives the call.
     """
+    try:
+        yield from _decode(model, caches, logits, sampler, max_tokens, stop_ids, history)
+    finally:
+        eval_caches(caches)
+        if isinstance(getattr(sampler, "key", None), mx.array):
+            mx.eval(sampler.key)
+
+
+def _decode(model, caches, logits, sampler, max_tokens, stop_ids, history) -> Iterator[int]:
     ahead = not getattr(sampler, "reads_history", True)
     y = sampler(logits, history)
     for i in range(max_tokens):
@@ -112,7 +131,7 @@ def decode(
         if ahead and 0 < i and not last:
             undo = [c.snapshot() for c in caches]
             next_y = sampler(model(y.reshape(1, 1), caches)[0, -1], history)
-            mx.async_eval(next_y)
+            mx.async_eval(next_y, *cache_arrays(caches))
         token = y.item()
         history.append(token)
         try:
@@ -125,7 +144,7 @@ def decode(
             return
         if undo is None:
             y = sampler(model(mx.array([[token]]), caches)[0, -1], history)
-            mx.async_eval(y)
+            mx.async_eval(y, *cache_arrays(caches))
         else:
             y = next_y
 
