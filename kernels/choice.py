@@ -50,7 +50,7 @@ def choose(
 
 
 def device_kind() -> str:
-    """"cpu", "metal" or "cuda": where MLX's default device computes."""
+    """ "cpu", "metal" or "cuda": where MLX's default device computes."""
     import mlx.core as mx
 
     if mx.default_device() == mx.cpu:

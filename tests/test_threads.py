@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 
-import mlx.core as mx
 import pytest
 
 from engine.runtime.sampling import Sampler, SamplingParams
@@ -44,8 +43,6 @@ def generate(seq, ids, *, penalty=1.0, max_tokens=5):
     tokens = list(seq.generate(ids, stops=[], sampler=sampler, max_tokens=max_tokens,
                                progress=progress, ignore_eos=True))  # fmt: skip
     return tokens
-
-
 
 
 @pytest.fixture(params=["float32", "bfloat16"])

@@ -192,9 +192,7 @@ class SparseMoE(nn.Module):
         # Router in the compute dtype with a float32 softmax, rounded where mlx-lm rounds it
         # (the same ops in float32; in half precision the top-k weights must round alike).
         probs = mx.softmax(self.gate(x), axis=-1, precise=True)
-        idx = mx.stop_gradient(
-            mx.argpartition(probs, kth=-self.top_k, axis=-1)[..., -self.top_k :]
-        )
+        idx = mx.stop_gradient(mx.argpartition(probs, kth=-self.top_k, axis=-1)[..., -self.top_k :])
         w = mx.take_along_axis(probs, idx, axis=-1)
         w = w / w.sum(axis=-1, keepdims=True)
         y = (self.switch_mlp(x, idx) * w[..., None]).sum(axis=-2)
