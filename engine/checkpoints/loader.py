@@ -205,7 +205,7 @@ def load_weights(ckpt: Checkpoint, model, dtype, *, dequantize_quantized: bool) 
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from ..runtime.model import sanitize
+    from ..runtime.model import local_path, sanitize
 
     weights = {}
     for f in _weight_files(ckpt.path):
@@ -216,12 +216,20 @@ def load_weights(ckpt: Checkpoint, model, dtype, *, dequantize_quantized: bool) 
     weights = sanitize(weights, ckpt.entry.arch)
     if ckpt.quantization:
         q = ckpt.quantization
+        per_path = _per_path_quantization(q, local_path)
+
+        def quantized(path: str, module) -> bool | dict:
+            # mlx-lm records per-module settings (e.g. the MoE router at 8 bits) beside the
+            # defaults; a module without `.scales` in the files stays in floating point.
+            setting = per_path.get(path, True)
+            return setting if f"{path}.scales" in weights else False
+
         nn.quantize(
             model,
             group_size=q["group_size"],
             bits=q["bits"],
             mode=q.get("mode", "affine"),
-            class_predicate=lambda p, m: f"{p}.scales" in weights,
+            class_predicate=quantized,
         )
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
@@ -244,27 +252,46 @@ def load_weights(ckpt: Checkpoint, model, dtype, *, dequantize_quantized: bool) 
     mx.eval(model.parameters())
 
 
+def _per_path_quantization(q: dict, local_path) -> dict[str, bool | dict]:
+    """mlx-lm's per-module entries of a `quantization` config, keyed by our module paths."""
+    out = {}
+    for key, value in q.items():
+        if isinstance(value, (dict, bool)) and (path := local_path(key)) is not None:
+            if isinstance(value, dict):
+                value = {
+                    "group_size": value.get("group_size", q["group_size"]),
+                    "bits": value.get("bits", q["bits"]),
+                    "mode": value.get("mode", q.get("mode", "affine")),
+                }
+            out[path] = value
+    return out
+
+
 def dequantize(model, dtype) -> None:
     """Replace quantized layers by float ones: on the CPU only float32 matmuls use BLAS."""
     import mlx.core as mx
     import mlx.nn as nn
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    def weight(m) -> mx.array:
+        w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode)
+        return w.astype(dtype)
 
     def swap(_path, m):
-        if isinstance(m, nn.QuantizedLinear):
-            w = mx.dequantize(
-                m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode
-            )
-            lin = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
-            lin.weight = w.astype(dtype)
+        if isinstance(m, (nn.QuantizedLinear, QuantizedSwitchLinear)):
+            w = weight(m)  # [out, in], or [experts, out, in]
+            if isinstance(m, nn.QuantizedLinear):
+                lin = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+            else:
+                lin = SwitchLinear(w.shape[2], w.shape[1], w.shape[0], bias="bias" in m)
+            lin.weight = w
             if "bias" in m:
                 lin.bias = m.bias
             return lin
         if isinstance(m, nn.QuantizedEmbedding):
-            w = mx.dequantize(
-                m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode
-            )
+            w = weight(m)
             emb = nn.Embedding(w.shape[0], w.shape[1])
-            emb.weight = w.astype(dtype)
+            emb.weight = w
             return emb
         return m
 

@@ -256,6 +256,18 @@ _NORM_SUFFIXES = (
 )  # fmt: skip
 
 
+def local_path(key: str) -> str | None:
+    """A checkpoint's tensor or module path in this model's naming (None: not ours, e.g.
+    the vision tower or the MTP head). Shared by the weights and mlx-lm's per-path
+    quantization settings, which name modules the same way."""
+    if key.startswith(("model.visual", "vision_tower", "mtp.", "model.mtp")):
+        return None
+    for prefix in ("model.language_model.", "language_model.model.", "language_model.", "model."):
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return key
+
+
 def sanitize(weights: dict[str, mx.array], arch: Architecture) -> dict[str, mx.array]:
     """Map checkpoint tensors (Hub, transformers text-only, or mlx-lm layout) onto ours."""
     # The Hub layout stores the conv as [C, 1, K] and norms as offsets from 1; mlx-lm
@@ -263,17 +275,9 @@ def sanitize(weights: dict[str, mx.array], arch: Architecture) -> dict[str, mx.a
     hub_layout = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
     out = {}
     for key, value in weights.items():
-        if key.startswith(("model.visual", "vision_tower", "mtp.", "model.mtp")):
+        key = local_path(key)
+        if key is None:
             continue
-        for prefix in (
-            "model.language_model.",
-            "language_model.model.",
-            "language_model.",
-            "model.",
-        ):
-            if key.startswith(prefix):
-                key = key[len(prefix) :]
-                break
         if key == "lm_head.weight" and arch.tie_word_embeddings:
             continue
         if key.endswith("conv1d.weight"):
