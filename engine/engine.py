@@ -85,6 +85,11 @@ def load(
     name = dtype or ckpt.entry.compute_dtype.get(backend(), "float32")
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
+    if ckpt.entry.arch.is_moe and backend() == "cpu" and name != "float32":
+        raise ValueError(
+            f"{name} mixture-of-experts models need a GPU: MLX's CPU gather_mm (the routed "
+            "experts) supports float32 only; use dtype='float32' on a CPU"
+        )
     net = Qwen35(ckpt.entry.arch, ModelOptions(chunked_delta=chunked_delta))
     load_weights(ckpt, net, _DTYPES[name], dequantize_quantized=backend() == "cpu")
     tok = load_tokenizer(path)

@@ -63,8 +63,13 @@ def gated_delta(
         device = device_kind()
         method = choose(device, Hk, Hv, Dk, Dv, T, fast_matmul=device != "cpu" or _fast_matmul())
     if method == "sequential":
-        y, state = mx.fast.gated_delta_update(q, k, v, g, beta, state.astype(mx.float32))
-        return y.astype(q.dtype), state.astype(mx.float32)
+        # mx.fast casts every input to q's dtype: float32 q, k keep g (and so the decay) in
+        # float32 as mlx-lm's kernels do; in bfloat16 a rounded g near 1 costs ~10x the error.
+        f32 = mx.float32
+        y, state = mx.fast.gated_delta_update(
+            q.astype(f32), k.astype(f32), v, g, beta, state.astype(f32)
+        )
+        return y.astype(q.dtype), state.astype(f32)
     if method == "mlx_lm":
         from mlx_lm.models.gated_delta import gated_delta_kernel
 
