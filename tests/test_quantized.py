@@ -13,7 +13,7 @@ import mlx.nn as nn
 import pytest
 
 import engine
-from engine.checkpoints.loader import inspect, load_weights
+from engine.checkpoints.loader import inspect, load_weights, weights_nbytes
 from engine.runtime.model import ModelOptions, Qwen35
 
 PROMPT = "<|im_start|>user\nHello, 你好! How are you?<|im_end|>\n<|im_start|>assistant\n"
@@ -35,6 +35,10 @@ def quantized(request, tiny, tiny_moe, tmp_path_factory):
     return source, convert(source.path, out, int(bits[0]))
 
 
+def nbytes(model) -> int:
+    return sum(v.nbytes for _, v in nn.utils.tree_flatten(model.parameters()))
+
+
 def leaves(model):
     return dict(nn.utils.tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
 
@@ -54,6 +58,10 @@ def test_dequantized_on_the_cpu_and_matches_mlx_lm(quantized):
     ours = engine.load(str(path))
     assert not any("Quantized" in type(m).__name__ for m in leaves(ours.model).values())
     assert ours.model.layers[0].linear_attn.in_proj_qkv.weight.dtype == mx.float32
+    # the size checked against the device before loading is the size loaded (8-bit routers
+    # are estimated at the default bits: within 1%)
+    estimate = weights_nbytes(ours.checkpoint, 4, dequantize_quantized=True)
+    assert abs(estimate - nbytes(ours.model)) <= 0.01 * nbytes(ours.model)
 
     ids = source.tokenizer.encode(PROMPT)
     got = ours.model(mx.array([ids]), ours.model.make_caches())
@@ -75,6 +83,8 @@ def test_kept_quantized_with_per_module_bits_as_recorded(quantized):
     ckpt = inspect(path)
     net = Qwen35(ckpt.entry.arch, ModelOptions())
     load_weights(ckpt, net, mx.float32, dequantize_quantized=False)  # the GPU path
+    estimate = weights_nbytes(ckpt, 4, dequantize_quantized=False)
+    assert abs(estimate - nbytes(net)) <= 0.01 * nbytes(net)
 
     config = json.loads((path / "config.json").read_text())["quantization"]
     mods = leaves(net)

@@ -195,6 +195,32 @@ def inspect(path: Path, entry: ModelEntry | None = None) -> Checkpoint:
     return Checkpoint(path, entry, digest.hexdigest()[:16], quant)
 
 
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "U8": 1, "I8": 1}
+
+
+def weights_nbytes(ckpt: Checkpoint, itemsize: int, *, dequantize_quantized: bool) -> int:
+    """Bytes the loaded weights will take (from the files' headers; nothing is loaded):
+    floating tensors at `itemsize`, quantized ones as stored or, dequantized, at `itemsize`."""
+    bits = (ckpt.quantization or {}).get("bits", 4)
+    total = 0
+    for f in _weight_files(ckpt.path):
+        for name, t in json.loads(_safetensors_header(f)).items():
+            if name == "__metadata__":
+                continue
+            n = 1
+            for d in t["shape"]:
+                n *= d
+            if t["dtype"] == "U32" and ckpt.quantization:  # packed quantized weights
+                total += n * (32 // bits) * itemsize if dequantize_quantized else n * 4
+            elif ckpt.quantization and name.endswith((".scales", ".biases")):
+                total += 0 if dequantize_quantized else n * _ITEMSIZE.get(t["dtype"], 4)
+            elif t["dtype"] in ("F64", "F32", "F16", "BF16") and not name.endswith("A_log"):
+                total += n * itemsize
+            else:
+                total += n * _ITEMSIZE.get(t["dtype"], 4)
+    return total
+
+
 def load_weights(ckpt: Checkpoint, model, dtype, *, dequantize_quantized: bool) -> None:
     """Load, sanitize and cast the weights into `model`.
 

@@ -11,7 +11,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
+from kernels.choice import device_kind
+
 from .cache import RecurrentCache
+from .memory import clear_between_chunks
 from .model import Qwen35
 from .sampling import Sampler
 
@@ -62,6 +65,7 @@ def prefill(
     """
     pos = start
     recurrent = [c for c in caches if isinstance(c, RecurrentCache)]
+    clear = clear_between_chunks(device_kind())
     out = None
     for end in chunk_ends(start, len(ids), chunk):
         if cancelled is not None and cancelled():
@@ -77,6 +81,8 @@ def prefill(
             else:
                 model.hidden(x, caches)  # no logits for positions nobody reads
             eval_caches(caches)
+            if end < len(ids) and clear:
+                mx.clear_cache()  # the next chunk allocates afresh; see memory.clear_between_chunks
             pos = end
             if on_stop is not None:
                 for s in inside:
