@@ -73,16 +73,24 @@ def _doctor(args) -> int:
     import mlx.core as mx
 
     from kernels import blas
+    from kernels.choice import device_kind
 
     from .engine import backend
+    from .runtime.memory import device_memory
 
     info = blas.info()
+    mem = device_memory()
+    packages = mlx_backend_packages()
     report = {
         "platform": f"{platform.system()} {platform.machine()}",
         "python": platform.python_version(),
         "mlx": mx.__version__,
+        "mlx_backend_packages": packages,
         "backend": backend(),
         "device": str(mx.default_device()),
+        "device_kind": device_kind(),
+        "device_name": mx.device_info().get("device_name", "?"),
+        "memory_usable_gib": round(mem.usable / 2**30, 1),
         "blas": info.library,
         "blas_provider": info.provider,
         "blas_note": info.reason,
@@ -92,10 +100,27 @@ def _doctor(args) -> int:
         print(json.dumps(report))
     else:
         for k, v in report.items():
-            print(f"{k:>18}: {v}")
+            print(f"{k:>20}: {v}")
         if not info.fast and backend() == "cpu" and platform.system() == "Linux":
             print(f"\nslow reference BLAS in use: {blas.FIX_HINT}")
+        if len(packages) > 1:
+            print(f"\nseveral MLX backends installed ({', '.join(packages)}): each ships "
+                  "libmlx.so and the last installed wins; uninstall all but one")  # fmt: skip
     return 0
+
+
+def mlx_backend_packages() -> list[str]:
+    """Installed MLX backend distributions (mlx-cpu, mlx-cuda-12/13, mlx-metal): one expected."""
+    from importlib import metadata
+
+    names = ("mlx-cpu", "mlx-cuda-12", "mlx-cuda-13", "mlx-metal")
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return found
 
 
 def _bench(args) -> int:

@@ -47,6 +47,11 @@ def test_doctor_reports_backend_and_blas(capsys):
     assert main(["doctor", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["backend"] in ("cpu", "gpu")
+    assert report["device_kind"] in ("cpu", "metal", "cuda")
+    assert report["device_kind"] == "cpu" or report["backend"] == "gpu"
+    assert report["memory_usable_gib"] > 0
+    # exactly one MLX backend distribution (two would fight over libmlx.so)
+    assert len(report["mlx_backend_packages"]) == 1, report["mlx_backend_packages"]
     assert report["matmul_gflops_f32"] > 0
     assert report["blas"]
 
