@@ -61,7 +61,9 @@ def gated_delta(
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     if method == "auto":
         device = device_kind()
-        method = choose(device, Hk, Hv, Dk, Dv, T, fast_matmul=device != "cpu" or _fast_matmul())
+        # asked only where it matters: decode steps skip the BLAS lookup
+        fast = device != "cpu" or T < MIN_CHUNKED_T or _fast_matmul()
+        method = choose(device, Hk, Hv, Dk, Dv, T, fast_matmul=fast)
     if method == "sequential":
         # mx.fast casts every input to q's dtype: float32 q, k keep g (and so the decay) in
         # float32 as mlx-lm's kernels do; in bfloat16 a rounded g near 1 costs ~10x the error.
