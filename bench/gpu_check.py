@@ -10,7 +10,9 @@ Sections (each one's failure is recorded in "errors" and the others still run):
   (kernels.reference): max error relative to the output's scale, output dtypes, time, and
   what kernels.choice picks; "fast_raw" is mx.fast with bfloat16 q, k (g rounded, as the
   engine no longer does);
-- bf16_vs_mlx_lm: tiny in bfloat16, teacher-forced logits against mlx-lm, greedy agreement;
+- bf16_vs_mlx_lm: tiny in bfloat16, teacher-forced logits against mlx-lm, greedy agreement
+  (and the MoE layout on a GPU; MLX's CPU gather_mm is float32 only); quantized_vs_mlx_lm:
+  tiny converted by mlx-lm to 4 bits (kept quantized on a GPU);
 - threads: 300 threads each evaluating one small op on the default device (failures, and the
   OS threads left: MLX keeps a stream per thread);
 - memory: active MLX memory held after 10 snapshots against what the byte budget counts;
@@ -32,6 +34,7 @@ too). `chatml doctor` then shows `mlx-cuda-12` as the only backend package.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -139,15 +142,43 @@ def kernels_section(models: list[str], ts: list[int]) -> list[dict]:
     return rows
 
 
-def bf16_section(quick: bool) -> dict:
+def bf16_section(quick: bool, moe: bool = False) -> dict:
+    import engine
+
+    path = _bf16_tiny(moe)
+    return compare_with_mlx_lm(engine.load(str(path), dtype="bfloat16"), path, quick)
+
+
+def quantized_section(quick: bool) -> dict:
+    """tiny converted by mlx-lm to 4 bits: kept quantized on a GPU, dequantized on a CPU;
+    float32 activations on both sides (mlx-lm computes in the scales' dtype)."""
+    from mlx_lm import convert
+
+    import engine
+    from engine.checkpoints.loader import resolve
+    from engine.paths import chatml_home
+
+    out = chatml_home() / "bench-models" / "tiny-4bit"
+    if not (out / "config.json").exists():
+        convert(str(resolve("tiny")[0]), mlx_path=str(out), quantize=True, q_bits=4,
+                q_group_size=64)  # fmt: skip
+    eng = engine.load(str(out), dtype="float32")
+    return {"kept_quantized": _has_quantized(eng.model), **compare_with_mlx_lm(eng, out, quick)}
+
+
+def _has_quantized(model) -> bool:
+    import mlx.nn as nn
+
+    leaves = nn.utils.tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
+    return any(hasattr(m, "bits") for _, m in leaves)
+
+
+def compare_with_mlx_lm(eng, path, quick: bool) -> dict:
+    """Teacher-forced logits of the engine against mlx-lm on the same folder and ids."""
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
-    import engine
-
-    path = _bf16_tiny()
-    eng = engine.load(str(path), dtype="bfloat16")
     ref, _ = load(str(path))
     prompt = eng.tokenizer.encode(PROMPT * (1 if quick else 3))
     answer = [t for t, _ in generate_step(mx.array(prompt), ref, max_tokens=12)]
@@ -168,14 +199,23 @@ def bf16_section(quick: bool) -> dict:
     }
 
 
-def _bf16_tiny():
+def _bf16_tiny(moe: bool = False):
+    """tiny (or tiny with the 35B-A3B expert layout) saved in bfloat16, built once."""
+    import dataclasses
+
     from engine.checkpoints import registry
     from engine.checkpoints.builder import build
     from engine.paths import chatml_home
 
-    out = chatml_home() / "bench-models" / "tiny-bfloat16"
+    entry = registry.get("tiny")
+    if moe:
+        arch = dataclasses.replace(entry.arch, intermediate_size=0, num_experts=4,
+                                   num_experts_per_tok=2, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=32)  # fmt: skip
+        entry = dataclasses.replace(entry, name="tiny-moe", arch=arch)
+    out = chatml_home() / "bench-models" / f"{entry.name}-bfloat16"
     if not (out / "config.json").exists():
-        build(registry.get("tiny"), out, dtype="bfloat16")
+        build(entry, out, dtype="bfloat16")
     return out
 
 
@@ -288,6 +328,12 @@ def speed_section(model: str, prefill_t: int, decode_n: int) -> dict:
     return out
 
 
+def _gpu() -> bool:
+    from kernels.choice import device_kind
+
+    return device_kind() != "cpu"
+
+
 def run(quick: bool) -> dict:
     import engine  # noqa: F401  (the fast BLAS on Linux CPUs loads before mlx)
 
@@ -299,6 +345,9 @@ def run(quick: bool) -> dict:
             ["tiny", "0.8b"] if quick else list(HEADS), [1, 7, 64] if quick else [1, 7, 64, 512]
         ),
         "bf16_vs_mlx_lm": lambda: bf16_section(quick),
+        # MLX's CPU gather_mm is float32 only: the MoE layout in bfloat16 needs a GPU
+        "moe_bf16_vs_mlx_lm": lambda: bf16_section(quick, moe=True) if _gpu() else "cpu: n/a",
+        "quantized_vs_mlx_lm": lambda: quantized_section(quick),
         "threads": lambda: threads_section(30 if quick else 300),
         "memory": memory_section,
         "speed": lambda: speed_section("tiny", 64, 8) if quick else speed_section("qwen3.5-0.8b", 512, 64),
@@ -306,7 +355,8 @@ def run(quick: bool) -> dict:
     for name, fn in sections.items():
         t = time.perf_counter()
         try:
-            result[name] = fn()
+            with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON line only
+                result[name] = fn()
         except Exception as e:
             result["errors"][name] = f"{type(e).__name__}: {e}"[:500]
         print(f"gpu_check: {name} {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
