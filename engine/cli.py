@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=number(0, 65535), default=8080)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     s.add_argument("--cache-bytes", type=number(1), default=None,
-                   help="cache budget (default: RAM/4)")  # fmt: skip
+                   help="cache budget (default: half the device memory the weights leave)")  # fmt: skip
     s.add_argument("--sequences", type=number(1), default=8,
                    help="cached sequences kept for reuse")  # fmt: skip
     s.add_argument("--max-tokens", type=number(1), default=512,
