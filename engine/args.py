@@ -36,6 +36,8 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if any(action.default is v for v in (None, False, argparse.SUPPRESS)) or "default" in text:
             return text
         return super()._get_help_string(action)
+
+
 # Sampling flags of `chatml chat` and `chatml serve`: (flag, SamplingParams field, type, help).
 _SAMPLING_FLAGS = (
     ("--temperature", "temperature", number(0.0, kind=float), "0 is greedy"),

@@ -79,17 +79,25 @@ def _doctor(args) -> int:
     import mlx.core as mx
 
     from kernels import blas
+    from kernels.choice import device_kind
 
     from .engine import backend
     from .paths import chatml_home
+    from .runtime.memory import device_memory
 
     info = blas.info()
+    mem = device_memory()
+    packages = mlx_backend_packages()
     report = {
         "platform": f"{platform.system()} {platform.machine()}",
         "python": platform.python_version(),
         "mlx": mx.__version__,
+        "mlx_backend_packages": packages,
         "backend": backend(),
         "device": str(mx.default_device()),
+        "device_kind": device_kind(),
+        "device_name": mx.device_info().get("device_name", "?"),
+        "memory_usable_gib": round(mem.usable / 2**30, 1),
         "blas": info.library,
         "blas_provider": info.provider,
         "blas_note": info.reason,
@@ -101,9 +109,12 @@ def _doctor(args) -> int:
     else:
         for k, v in report.items():
             if v not in (None, ""):  # e.g. no note when the fast BLAS loaded
-                print(f"{k:>18}: {v}")
+                print(f"{k:>20}: {v}")
         if not info.fast and backend() == "cpu" and platform.system() == "Linux":
             print(f"\nslow reference BLAS in use: {blas.FIX_HINT}")
+        if len(packages) > 1:
+            print(f"\nseveral MLX backends installed ({', '.join(packages)}): each ships "
+                  "libmlx.so and the last installed wins; uninstall all but one")  # fmt: skip
     return 0
 
 
@@ -124,6 +135,20 @@ def benchmarks() -> dict[str, str]:
             if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
                 out.setdefault(path.stem, (ast.get_docstring(tree) or "").split("\n")[0])
     return out
+
+
+def mlx_backend_packages() -> list[str]:
+    """Installed MLX backend distributions (mlx-cpu, mlx-cuda-12/13, mlx-metal): one expected."""
+    from importlib import metadata
+
+    names = ("mlx-cpu", "mlx-cuda-12", "mlx-cuda-13", "mlx-metal")
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return found
 
 
 def _bench(args) -> int:
@@ -206,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     key.add_argument("--api-key-file", default=None, metavar="FILE",
                      help="read the API key from FILE (surrounding whitespace ignored)")  # fmt: skip
     s.add_argument("--cache-bytes", type=number(1), default=None,
-                   help="cache budget (default: RAM/4)")  # fmt: skip
+                   help="cache budget (default: half the device memory the weights leave)")  # fmt: skip
     s.add_argument("--sequences", type=number(1), default=8,
                    help="cached sequences kept for reuse")  # fmt: skip
     s.add_argument("--max-tokens", type=number(1), default=512,

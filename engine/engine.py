@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 
-from .checkpoints.loader import Checkpoint, inspect, load_tokenizer, load_weights, resolve
+from .checkpoints.loader import (
+    Checkpoint,
+    CheckpointError,
+    inspect,
+    load_tokenizer,
+    load_weights,
+    resolve,
+    weights_nbytes,
+)
 from .checkpoints.registry import ModelEntry
 from .checkpoints.tokenizer import Tokenizer
+from .runtime import memory
 from .runtime.model import ModelOptions, Qwen35
 from .runtime.snapshot import CacheBudget
 
@@ -86,15 +96,34 @@ def load(
     `dtype` overrides the registry's compute dtype for this backend (float32 on CPUs).
     Quantized checkpoints are dequantized on CPUs (only float32 matmuls use BLAS there) and
     stay quantized on GPUs.
-    `cache_bytes` bounds all sessions' caches and snapshots (default: a quarter of RAM).
+    `cache_bytes` bounds all sessions' caches and snapshots (default: half of what the
+    weights leave of the memory MLX may use on this device, see `runtime.memory`). Weights
+    that cannot fit the device raise `CheckpointError` (with both sizes) before loading.
     """
     path, entry = resolve(model)
     ckpt = inspect(path, entry)
     name = dtype or ckpt.entry.compute_dtype.get(backend(), "float32")
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
+    if ckpt.entry.arch.is_moe and backend() == "cpu" and name != "float32":
+        raise ValueError(
+            f"{name} mixture-of-experts models need a GPU: MLX's CPU gather_mm (the routed "
+            "experts) supports float32 only; use dtype='float32' on a CPU"
+        )
+    dequantize = backend() == "cpu"
+    mem = memory.device_memory()
+    need = weights_nbytes(ckpt, _DTYPES[name].size, dequantize_quantized=dequantize)
+    if problem := memory.fits(need, mem):  # before loading: not a swap storm or a crash
+        raise CheckpointError(f"{path}: {problem}")
+    wired, warning = memory.wired_limit(need, mem)
+    if warning:
+        warnings.warn(warning, stacklevel=2)
+    if wired:
+        mx.set_wired_limit(wired)
     net = Qwen35(ckpt.entry.arch, ModelOptions(chunked_delta=chunked_delta))
-    load_weights(ckpt, net, _DTYPES[name], dequantize_quantized=backend() == "cpu")
+    load_weights(ckpt, net, _DTYPES[name], dequantize_quantized=dequantize)
     tok = load_tokenizer(path)
     stops = tuple(tok.token_id(t) for t in ckpt.entry.stop_tokens)
+    if cache_bytes is None:
+        cache_bytes = memory.default_budget(need, mem)
     return Engine(net, tok, ckpt.entry, ckpt, _DTYPES[name], stops, CacheBudget(cache_bytes))

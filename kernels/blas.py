@@ -112,7 +112,9 @@ def _load(path: str, provider: str) -> BlasInfo:
         routines = {}
         if gemv_enabled() and hasattr(lib, _PREFIX + "cblas_sgemv"):
             del forwards["cblas_sgemm"]
-            routines["cblas_sgemm"] = gemv_dispatch(_PREFIX + "cblas_sgemm", _PREFIX + "cblas_sgemv")
+            routines["cblas_sgemm"] = gemv_dispatch(
+                _PREFIX + "cblas_sgemm", _PREFIX + "cblas_sgemv"
+            )
         soname = Path(path).name
         shim = forwarding_library(forwards, "libchatml_cblas.so", [soname], routines)
         _handles.append(_dlopen_bytes(shim, "libchatml_cblas.so"))

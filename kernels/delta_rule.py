@@ -16,17 +16,12 @@ overflows or loses precision when g is close to 0 or 1.
 
 from __future__ import annotations
 
-import sys
-
 import mlx.core as mx
 
+from kernels.choice import MIN_CHUNKED_T, choose, device_kind
 from kernels.triangular import unit_lower_inverse
 
 CHUNK = 64
-# Below this many steps the sequential kernel wins (chunk setup costs more than it saves).
-# Measured on 2 x86 cores with OpenBLAS, 16 heads x 128 x 128: break-even near T = 8
-# (T=4: 6.0 vs 2.7 ms; T=8: 5.9 vs 5.6 ms; T=16: 6.3 vs 13.0 ms chunked vs sequential).
-MIN_CHUNKED_T = 16
 
 __all__ = ["CHUNK", "MIN_CHUNKED_T", "gated_delta"]
 
@@ -53,11 +48,8 @@ def gated_delta(
       - "chunked": this module's chunked algorithm (triangular inverse by LAPACK on the CPU,
         by matmul-only blocked forward substitution on a GPU, see ``unit_lower_inverse``).
       - "sequential": ``mx.fast.gated_delta_update`` (one step at a time).
-      - "auto": chunked for CPU prefill (T >= MIN_CHUNKED_T) when matmuls are fast (macOS
-        Accelerate, or a fast BLAS on Linux per ``kernels.blas.info()``); sequential for
-        decode and tiny prefills, with the reference BLAS (there chunked is ~0.8x, not a
-        win), and whenever the default device is a GPU, where ``mx.fast`` is a fused device
-        kernel that the chunked path has not been benchmarked against.
+      - "mlx_lm": mlx-lm's Metal kernel (Metal only).
+      - "auto": ``kernels.choice.choose`` for the default device, this head shape and T.
     ``inverse``: how the chunked path inverts its triangular matrices ("auto", "lapack" or
     "blocked"; see ``kernels.triangular.unit_lower_inverse``).
     """
@@ -68,17 +60,31 @@ def gated_delta(
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     if method == "auto":
-        on_cpu = mx.default_device() == mx.cpu
-        method = "chunked" if on_cpu and T >= MIN_CHUNKED_T and _fast_matmul() else "sequential"
+        device = device_kind()
+        # asked only where it matters: decode steps skip the BLAS lookup
+        fast = device != "cpu" or T < MIN_CHUNKED_T or _fast_matmul()
+        method = choose(device, Hk, Hv, Dk, Dv, T, fast_matmul=fast)
     if method == "sequential":
-        y, state = mx.fast.gated_delta_update(q, k, v, g, beta, state.astype(mx.float32))
-        return y.astype(q.dtype), state.astype(mx.float32)
+        # mx.fast casts every input to q's dtype: float32 q, k keep g (and so the decay) in
+        # float32 as mlx-lm's kernels do; in bfloat16 a rounded g near 1 costs ~10x the error.
+        f32 = mx.float32
+        y, state = mx.fast.gated_delta_update(
+            q.astype(f32), k.astype(f32), v, g, beta, state.astype(f32)
+        )
+        return y.astype(q.dtype), state.astype(f32)
+    if method == "mlx_lm":
+        from mlx_lm.models.gated_delta import gated_delta_kernel
+
+        y, state = gated_delta_kernel(q, k, v, g.astype(mx.float32), beta, state)
+        return y.astype(q.dtype), state
     if method != "chunked":
         raise ValueError(f"unknown method {method!r}")
     return _chunked(q, k, v, g, beta, state, inverse)
 
 
 def _fast_matmul() -> bool:
+    import sys
+
     if sys.platform == "darwin":
         return True
     from kernels import blas

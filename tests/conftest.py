@@ -29,3 +29,29 @@ def tiny_sequential():
     """`tiny` with the sequential gated-delta path (the reference for the chunked kernel)."""
 
     return engine.load("tiny", chunked_delta=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16():
+    """The embedded `tiny` engine computing in bfloat16 (the GPU dtype), on this CPU."""
+
+    return engine.load("tiny", dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory):
+    """tiny with a mixture-of-experts FFN (the 35B-A3B layout: routed + shared experts)."""
+    import dataclasses
+
+    from engine.checkpoints import registry
+    from engine.checkpoints.builder import build
+
+    t = registry.get("tiny")
+    arch = dataclasses.replace(
+        t.arch, intermediate_size=0, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    )  # fmt: skip
+    path = build(
+        dataclasses.replace(t, name="tiny-moe", arch=arch), tmp_path_factory.mktemp("m") / "moe"
+    )
+    return engine.load(str(path), chunked_delta=False)

@@ -402,6 +402,8 @@ def test_a_resumed_chat_warms_before_the_first_question(tiny, tmp_path, monkeypa
     assert s.warm_tokens > 0  # the re-rendered last answer was prefilled before the question
     new_message = len(tiny.tokenizer.encode(f"<|im_start|>user\n{QUESTIONS[2]}<|im_end|>\n"))
     assert s.prefilled_tokens <= new_message + 8  # the question and the generation prompt
+
+
 def test_sampling_defaults_come_from_the_checkpoint_and_flags_override_them(tiny, tmp_path):
     """A checkpoint whose generation_config.json asks for greedy decoding with penalties:
     `chatml chat` answers as the Python API does when given those values; a flag replaces

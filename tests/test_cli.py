@@ -47,6 +47,11 @@ def test_doctor_reports_backend_and_blas(capsys):
     assert main(["doctor", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["backend"] in ("cpu", "gpu")
+    assert report["device_kind"] in ("cpu", "metal", "cuda")
+    assert report["device_kind"] == "cpu" or report["backend"] == "gpu"
+    assert report["memory_usable_gib"] > 0
+    # exactly one MLX backend distribution (two would fight over libmlx.so)
+    assert len(report["mlx_backend_packages"]) == 1, report["mlx_backend_packages"]
     assert report["matmul_gflops_f32"] > 0
     assert report["blas"]
 
@@ -71,6 +76,8 @@ def test_doctor_shows_the_data_folder_and_no_empty_note(capsys, monkeypatch):
     assert "blas_note" not in out and "blas_provider: scipy-openblas32" in out
     assert main(["doctor", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["chatml_home"] == os.environ["CHATML_HOME"]
+
+
 def test_models_info_shows_the_sampling_defaults(capsys):
     assert main(["models", "info", "qwen3.5-9b"]) == 0
     out = capsys.readouterr().out

@@ -129,3 +129,42 @@ def test_rejects_bad_head_ratio() -> None:
     g3 = mx.concatenate([g, g[:, :, :1]], axis=2)
     with pytest.raises(ValueError):
         gated_delta(q, k, v3, g3, mx.concatenate([beta, beta[:, :, :1]], axis=2))
+
+
+# Head shapes (Hk, Hv, Dk, Dv): tiny, 0.8B and 2B, 4B/9B/35B-A3B, 27B.
+HEADS = {"tiny": (4, 8, 32, 32), "0.8b": (16, 16, 128, 128), "9b": (16, 32, 128, 128),
+         "27b": (16, 48, 128, 128)}  # fmt: skip
+
+
+@pytest.mark.parametrize("model", sorted(HEADS))
+def test_kernel_choice_per_device(model: str) -> None:
+    from kernels.choice import MIN_CHUNKED_T, MIN_CHUNKED_T_CUDA, choose
+
+    heads = HEADS[model]
+    for t in (1, 7, 16, 64, 512):
+        # CPU: chunked for prefill once matmuls are fast; sequential mx.fast otherwise.
+        assert choose("cpu", *heads, t) == ("chunked" if t >= MIN_CHUNKED_T else "sequential")
+        assert choose("cpu", *heads, t, fast_matmul=False) == "sequential"
+        # CUDA: mx.fast is T steps of small ops there, so prefill goes chunked.
+        cuda = "chunked" if t >= MIN_CHUNKED_T_CUDA else "sequential"
+        assert choose("cuda", *heads, t) == cuda
+        # Metal: mlx-lm's own kernel, as mlx-lm runs it, for every Qwen3.5 head shape.
+        assert choose("metal", *heads, t) == "mlx_lm"
+
+
+def test_kernel_choice_outside_the_known_shapes() -> None:
+    from kernels.choice import choose
+
+    assert choose("metal", 2, 2, 48, 48, 64) == "sequential"  # mlx-lm's kernel needs Dk % 32
+    with pytest.raises(ValueError, match="unknown device"):
+        choose("tpu", 16, 16, 128, 128, 1)
+
+
+def test_auto_follows_the_choice_on_this_device(monkeypatch) -> None:
+    import kernels.delta_rule as dr
+
+    picked = []
+    monkeypatch.setattr(dr, "choose", lambda *a, **k: picked.append(a) or "chunked")
+    inputs = make_inputs(5, with_state=True)
+    assert_close(inputs, method="auto")  # 5 steps would be sequential; the choice says chunked
+    assert picked == [("cpu", 2, 2, 32, 32, 5)]

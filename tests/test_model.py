@@ -56,31 +56,6 @@ def test_token_by_token_decode_equals_full_prefill(tiny):
     assert mx.abs(full - steps).max().item() < 1e-4
 
 
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory):
-    """tiny with a mixture-of-experts FFN (the 35B-A3B layout: routed + shared experts)."""
-    import dataclasses
-
-    from engine.checkpoints import registry
-    from engine.checkpoints.builder import build
-
-    t = registry.get("tiny")
-    arch = dataclasses.replace(
-        t.arch, intermediate_size=0, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32,
-    )  # fmt: skip
-    path = build(
-        dataclasses.replace(t, name="tiny-moe", arch=arch), tmp_path_factory.mktemp("m") / "moe"
-    )
-    return engine_load(str(path), chunked_delta=False)
-
-
-def engine_load(*args, **kwargs):
-    import engine
-
-    return engine.load(*args, **kwargs)
-
-
 def _transformers_logits(eng, ids):
     torch = pytest.importorskip(
         "torch", reason="transformers parity needs torch: pip install torch==2.13.0"

@@ -1,45 +1,104 @@
-"""A 4-bit checkpoint made by mlx-lm's converter from one built here: loads on the CPU."""
+"""Checkpoints quantized by mlx-lm's converter from ones built here load and match mlx-lm.
+
+The dense tiny at 4 and 8 bits, and the MoE tiny at 4 bits, which mlx-lm converts with mixed
+precision: the router (`mlp.gate`) and `shared_expert_gate` at 8 bits, recorded per module
+path in config.json. Loaded two ways: dequantized (what a CPU engine does) and kept
+quantized (what a GPU engine does, forced here on the CPU).
+"""
+
+import json
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
 import engine
+from engine.checkpoints.loader import inspect, load_weights, weights_nbytes
+from engine.runtime.model import ModelOptions, Qwen35
+
+PROMPT = "<|im_start|>user\nHello, 你好! How are you?<|im_end|>\n<|im_start|>assistant\n"
+TOL = 1e-4  # float32 activations on both sides; the quantized weights are the same numbers
 
 
-@pytest.fixture(scope="module")
-def q4(tiny, tmp_path_factory):
+def convert(source, out, bits):
     from mlx_lm import convert
 
-    out = tmp_path_factory.mktemp("q4") / "tiny-4bit"
-    convert(str(tiny.path), mlx_path=str(out), quantize=True, q_bits=4, q_group_size=64)
+    convert(str(source), mlx_path=str(out), quantize=True, q_bits=bits, q_group_size=64)
     return out
 
 
-def test_quantized_checkpoint_is_dequantized_on_the_cpu_and_matches_mlx_lm(tiny, q4):
+@pytest.fixture(scope="module", params=["dense-4bit", "dense-8bit", "moe-4bit"])
+def quantized(request, tiny, tiny_moe, tmp_path_factory):
+    kind, bits = request.param.split("-")
+    source = tiny if kind == "dense" else tiny_moe
+    out = tmp_path_factory.mktemp("q") / request.param
+    return source, convert(source.path, out, int(bits[0]))
+
+
+def nbytes(model) -> int:
+    return sum(v.nbytes for _, v in nn.utils.tree_flatten(model.parameters()))
+
+
+def leaves(model):
+    return dict(nn.utils.tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
+
+
+def mlx_lm_logits(path, ids):
+    from mlx_lm import load
+
+    ref, _ = load(str(path))
+    return ref(mx.array([ids]), cache=ref.make_cache())
+
+
+def test_dequantized_on_the_cpu_and_matches_mlx_lm(quantized):
     from mlx_lm import load, stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    ours = engine.load(str(q4))
-    assert ours.checkpoint.quantization["bits"] == 4
-    leaves = ours.model.leaf_modules()
-    flat = [m for _, m in nn.utils.tree_flatten(leaves, is_leaf=nn.Module.is_module)]
-    assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in flat)
+    source, path = quantized
+    ours = engine.load(str(path))
+    assert not any("Quantized" in type(m).__name__ for m in leaves(ours.model).values())
     assert ours.model.layers[0].linear_attn.in_proj_qkv.weight.dtype == mx.float32
+    # the size checked against the device before loading is the size loaded (8-bit routers
+    # are estimated at the default bits: within 1%)
+    estimate = weights_nbytes(ours.checkpoint, 4, dequantize_quantized=True)
+    assert abs(estimate - nbytes(ours.model)) <= 0.01 * nbytes(ours.model)
 
-    ref, tok = load(str(q4))  # mlx-lm's own quantized model
-    ids = tiny.tokenizer.encode(
-        "<|im_start|>user\nHello, 你好! How are you?<|im_end|>\n<|im_start|>assistant\n"
-    )
+    ids = source.tokenizer.encode(PROMPT)
     got = ours.model(mx.array([ids]), ours.model.make_caches())
-    expected = ref(mx.array([ids]), cache=ref.make_cache())
-    assert mx.abs(got - expected).max().item() < 1e-4
-    # 4 bits move the logits far more than that: the comparison above is not vacuous.
-    full = tiny.model(mx.array([ids]), tiny.model.make_caches())
-    assert mx.abs(got - full).max().item() > 1e-2
+    assert mx.abs(got - mlx_lm_logits(path, ids)).max().item() < TOL
+    # quantization moves the logits far more than that: the comparison above is not vacuous
+    full = source.model(mx.array([ids]), source.model.make_caches())
+    assert mx.abs(got - full).max().item() > 1e-3
 
+    ref, tok = load(str(path))
     turn = ours.session(None).send("Hello, 你好! How are you?", max_tokens=6)
     mlx_tokens = [r.token for r in stream_generate(ref, tok, prompt=turn.prompt_ids, max_tokens=6,
                                                    sampler=make_sampler(temp=0.0))
                   if r.finish_reason != "stop"]  # fmt: skip
     assert turn.token_ids == mlx_tokens
+
+
+def test_kept_quantized_with_per_module_bits_as_recorded(quantized):
+    source, path = quantized
+    ckpt = inspect(path)
+    net = Qwen35(ckpt.entry.arch, ModelOptions())
+    load_weights(ckpt, net, mx.float32, dequantize_quantized=False)  # the GPU path
+    estimate = weights_nbytes(ckpt, 4, dequantize_quantized=False)
+    assert abs(estimate - nbytes(net)) <= 0.01 * nbytes(net)
+
+    config = json.loads((path / "config.json").read_text())["quantization"]
+    mods = leaves(net)
+    quantized_mods = {p: m for p, m in mods.items() if hasattr(m, "bits")}
+    assert quantized_mods
+    per_path = {k.removeprefix("language_model.model."): v for k, v in config.items()
+                if isinstance(v, dict)}  # fmt: skip
+    for p, m in quantized_mods.items():
+        expected = per_path.get(p, config)
+        assert (m.bits, m.group_size) == (expected["bits"], expected["group_size"]), p
+    if source.entry.arch.is_moe:  # mixed precision: the routers at 8 bits, experts at 4
+        assert per_path and {quantized_mods[p].bits for p in per_path} == {8}
+        assert quantized_mods["layers.0.mlp.switch_mlp.up_proj"].bits == 4
+
+    ids = source.tokenizer.encode(PROMPT)
+    got = net(mx.array([ids]), net.make_caches())
+    assert mx.abs(got - mlx_lm_logits(path, ids)).max().item() < TOL

@@ -197,6 +197,32 @@ def inspect(path: Path, entry: ModelEntry | None = None) -> Checkpoint:
     return Checkpoint(path, entry, digest.hexdigest()[:16], quant, read_generation_config(path))
 
 
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "U8": 1, "I8": 1}
+
+
+def weights_nbytes(ckpt: Checkpoint, itemsize: int, *, dequantize_quantized: bool) -> int:
+    """Bytes the loaded weights will take (from the files' headers; nothing is loaded):
+    floating tensors at `itemsize`, quantized ones as stored or, dequantized, at `itemsize`."""
+    bits = (ckpt.quantization or {}).get("bits", 4)
+    total = 0
+    for f in _weight_files(ckpt.path):
+        for name, t in json.loads(_safetensors_header(f)).items():
+            if name == "__metadata__":
+                continue
+            n = 1
+            for d in t["shape"]:
+                n *= d
+            if t["dtype"] == "U32" and ckpt.quantization:  # packed quantized weights
+                total += n * (32 // bits) * itemsize if dequantize_quantized else n * 4
+            elif ckpt.quantization and name.endswith((".scales", ".biases")):
+                total += 0 if dequantize_quantized else n * _ITEMSIZE.get(t["dtype"], 4)
+            elif t["dtype"] in ("F64", "F32", "F16", "BF16") and not name.endswith("A_log"):
+                total += n * itemsize
+            else:
+                total += n * _ITEMSIZE.get(t["dtype"], 4)
+    return total
+
+
 def load_weights(ckpt: Checkpoint, model, dtype, *, dequantize_quantized: bool) -> None:
     """Load, sanitize and cast the weights into `model`.
 
@@ -207,7 +233,7 @@ def load_weights(ckpt: Checkpoint, model, dtype, *, dequantize_quantized: bool) 
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from ..runtime.model import sanitize
+    from ..runtime.model import local_path, sanitize
 
     weights = {}
     for f in _weight_files(ckpt.path):
@@ -218,12 +244,20 @@ def load_weights(ckpt: Checkpoint, model, dtype, *, dequantize_quantized: bool) 
     weights = sanitize(weights, ckpt.entry.arch)
     if ckpt.quantization:
         q = ckpt.quantization
+        per_path = _per_path_quantization(q, local_path)
+
+        def quantized(path: str, module) -> bool | dict:
+            # mlx-lm records per-module settings (e.g. the MoE router at 8 bits) beside the
+            # defaults; a module without `.scales` in the files stays in floating point.
+            setting = per_path.get(path, True)
+            return setting if f"{path}.scales" in weights else False
+
         nn.quantize(
             model,
             group_size=q["group_size"],
             bits=q["bits"],
             mode=q.get("mode", "affine"),
-            class_predicate=lambda p, m: f"{p}.scales" in weights,
+            class_predicate=quantized,
         )
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
@@ -246,27 +280,46 @@ def load_weights(ckpt: Checkpoint, model, dtype, *, dequantize_quantized: bool) 
     mx.eval(model.parameters())
 
 
+def _per_path_quantization(q: dict, local_path) -> dict[str, bool | dict]:
+    """mlx-lm's per-module entries of a `quantization` config, keyed by our module paths."""
+    out = {}
+    for key, value in q.items():
+        if isinstance(value, (dict, bool)) and (path := local_path(key)) is not None:
+            if isinstance(value, dict):
+                value = {
+                    "group_size": value.get("group_size", q["group_size"]),
+                    "bits": value.get("bits", q["bits"]),
+                    "mode": value.get("mode", q.get("mode", "affine")),
+                }
+            out[path] = value
+    return out
+
+
 def dequantize(model, dtype) -> None:
     """Replace quantized layers by float ones: on the CPU only float32 matmuls use BLAS."""
     import mlx.core as mx
     import mlx.nn as nn
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    def weight(m) -> mx.array:
+        w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode)
+        return w.astype(dtype)
 
     def swap(_path, m):
-        if isinstance(m, nn.QuantizedLinear):
-            w = mx.dequantize(
-                m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode
-            )
-            lin = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
-            lin.weight = w.astype(dtype)
+        if isinstance(m, (nn.QuantizedLinear, QuantizedSwitchLinear)):
+            w = weight(m)  # [out, in], or [experts, out, in]
+            if isinstance(m, nn.QuantizedLinear):
+                lin = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+            else:
+                lin = SwitchLinear(w.shape[2], w.shape[1], w.shape[0], bias="bias" in m)
+            lin.weight = w
             if "bias" in m:
                 lin.bias = m.bias
             return lin
         if isinstance(m, nn.QuantizedEmbedding):
-            w = mx.dequantize(
-                m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode
-            )
+            w = weight(m)
             emb = nn.Embedding(w.shape[0], w.shape[1])
-            emb.weight = w.astype(dtype)
+            emb.weight = w
             return emb
         return m
 

@@ -12,6 +12,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
+from kernels.choice import device_kind
+
+from .memory import clear_between_chunks
 from .model import Qwen35
 from .sampling import Sampler
 from .step import Row, forward, rollback
@@ -19,11 +22,17 @@ from .step import Row, forward, rollback
 PREFILL_CHUNK = 512
 
 
+def cache_arrays(caches: list) -> list[mx.array]:
+    """Every array the caches hold."""
+    return [a for c in caches for a in (getattr(c, "keys", None), getattr(c, "values", None),
+            getattr(c, "conv", None), getattr(c, "state", None)) if isinstance(a, mx.array)]  # fmt: skip
+
+
 def eval_caches(caches: list, *extra) -> None:
-    """Evaluate the caches' arrays (and `extra` arrays or nested lists of them) now."""
-    arrays = [a for c in caches for a in (getattr(c, "keys", None), getattr(c, "values", None),
-              getattr(c, "conv", None), getattr(c, "state", None)) if isinstance(a, mx.array)]  # fmt: skip
-    mx.eval(arrays, *extra)
+    """Evaluate the caches (and `extra` arrays or nested lists of them) on this thread. MLX
+    streams are per thread: an array left lazy here fails when another thread evaluates it
+    ("There is no Stream(cpu, 0) in current thread")."""
+    mx.eval(cache_arrays(caches), *extra)
 
 
 def chunk_ends(start: int, end: int, chunk: int = PREFILL_CHUNK) -> list[int]:
@@ -52,6 +61,7 @@ def prefill(
     and that position.
     """
     pos = start
+    clear = clear_between_chunks(device_kind())
     out = None
     for end in chunk_ends(start, len(ids), chunk):
         if cancelled is not None and cancelled():
@@ -63,6 +73,8 @@ def prefill(
         if last:
             out = step_logits[-1]
         eval_caches(caches, list(mark.kept.values()), [] if out is None else out)
+        if end < len(ids) and clear:
+            mx.clear_cache()  # the next chunk allocates afresh; see memory.clear_between_chunks
         pos = end
         if on_stop is not None:
             for s in inside:
@@ -92,9 +104,21 @@ def decode(
     Python per token) overlaps the previous step's compute. When that token turns out to end
     the answer, the step is rolled back to its start (`step.rollback`). The first token is read
     before anything is queued behind it: it is the time to first token. A sampler whose pick
-    depends on the tokens read on the host (`reads_history`: a repetition penalty, a grammar)
-    runs one step at a time.
+    depends on the tokens read on the host (`reads_history`: a grammar) runs one step at a time;
+    the penalties keep their state on the device and run ahead.
+
+    Every step's caches are queued with its token, and on every way out the caches are
+    evaluated here, on the thread that built them: nothing lazy outlives the call.
     """
+    try:
+        yield from _decode(model, caches, logits, sampler, max_tokens, stop_ids, history)
+    finally:
+        eval_caches(caches)
+        if isinstance(getattr(sampler, "key", None), mx.array):
+            mx.eval(sampler.key)
+
+
+def _decode(model, caches, logits, sampler, max_tokens, stop_ids, history) -> Iterator[int]:
     ahead = not getattr(sampler, "reads_history", True)
     accept = getattr(sampler, "accept", None)
     y = sampler(logits, history)
@@ -104,7 +128,7 @@ def decode(
         if ahead and 0 < i and not last:
             ((step_logits, mark),) = forward(model, [Row(caches, y.reshape(1))])
             next_y = sampler(step_logits[-1], history)
-            mx.async_eval(next_y)
+            mx.async_eval(next_y, *cache_arrays(caches))
         token = y.item()
         history.append(token)
         if accept is not None:
@@ -122,6 +146,6 @@ def decode(
         if mark is None:
             ((step_logits, _),) = forward(model, [Row(caches, (token,))])
             y = sampler(step_logits[-1], history)
-            mx.async_eval(y)
+            mx.async_eval(y, *cache_arrays(caches))
         else:
             y = next_y

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels import gated_delta as chunked_gated_delta
+from kernels import gated_delta
 
 from ..checkpoints.registry import Architecture
 from .cache import KVCache, RecurrentCache
@@ -23,7 +23,8 @@ from .cache import KVCache, RecurrentCache
 
 @dataclass(frozen=True)
 class ModelOptions:
-    chunked_delta: bool = True  # use kernels.gated_delta for multi-token prefill
+    # False: always mx.fast.gated_delta_update (the sequential reference), whatever the device.
+    chunked_delta: bool = True  # True: kernels.choice picks the gated delta path
 
 
 def _rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
@@ -69,12 +70,14 @@ class GatedDeltaNet(nn.Module):
         else:
             tail = cache.conv
         window = mx.concatenate([tail, qkv], axis=1)  # [B, K-1+T, C]
-        # Depthwise causal conv as K shifted multiply-adds: cheaper than a grouped conv on CPU.
-        w = self.conv_weight.astype(qkv.dtype)
-        conv = window[:, 0:T] * w[:, 0]
+        # Depthwise causal conv as K shifted multiply-adds (cheaper than a grouped conv on
+        # CPU), summed in float32 and rounded once, as mlx-lm's nn.Conv1d does in half precision.
+        f32 = mx.float32
+        w = self.conv_weight.astype(f32)
+        conv = window[:, 0:T].astype(f32) * w[:, 0]
         for j in range(1, self.kernel):
-            conv = conv + window[:, j : j + T] * w[:, j]
-        conv = nn.silu(conv)
+            conv = conv + window[:, j : j + T].astype(f32) * w[:, j]
+        conv = nn.silu(conv.astype(qkv.dtype))
 
         kd = self.hk * self.dk
         q = conv[..., :kd].reshape(B, T, self.hk, self.dk)
@@ -85,9 +88,10 @@ class GatedDeltaNet(nn.Module):
         q = (inv * inv) * mx.fast.rms_norm(q, None, 1e-6 * inv * inv)
         k = inv * mx.fast.rms_norm(k, None, 1e-6 * inv * inv)
 
-        a = self.in_proj_a(x).astype(mx.float32)
+        # g in float32 from a softplus in the compute dtype, rounded where mlx-lm rounds it.
+        a = self.in_proj_a(x)
         beta = mx.sigmoid(self.in_proj_b(x))  # [B, T, Hv]
-        g = mx.exp(-mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias))
+        g = mx.exp(-mx.exp(self.A_log.astype(f32)) * nn.softplus(a + self.dt_bias))  # [B, T, Hv]
 
         state = cache.state
         if state is None:
@@ -99,10 +103,10 @@ class GatedDeltaNet(nn.Module):
             y, state = self._delta(q, k, v, g, beta, state, start, cut)
             ys.append(y)
             if cut < T:  # the conv tail at `cut` is the K-1 inputs before it
-                cache.record(cut, window[:, cut : cut + self.kernel - 1], state)
+                cache.record(cut, _tail(window, cut, self.kernel - 1), state)
             start = cut
         y = ys[0] if len(ys) == 1 else mx.concatenate(ys, axis=1)
-        cache.update(window[:, -(self.kernel - 1) :], state, T)
+        cache.update(_tail(window, T, self.kernel - 1), state, T)
 
         z = self.in_proj_z(x).reshape(B, T, self.hv, self.dv)
         y = _rms_norm(y, self.norm.weight, self.eps)
@@ -113,9 +117,15 @@ class GatedDeltaNet(nn.Module):
         """The gated delta rule over positions [start, end) of the chunk."""
         seg = slice(start, end)
         q, k, v, g, beta = q[:, seg], k[:, seg], v[:, seg], g[:, seg], beta[:, seg]
-        if end - start > 1 and self.options.chunked_delta:  # the kernel picks its fastest path
-            return chunked_gated_delta(q, k, v, g, beta, state)
-        return mx.fast.gated_delta_update(q, k, v, g, beta, state)
+        # "auto": kernels.choice picks per device, head shape and length (decode included).
+        method = "auto" if self.options.chunked_delta else "sequential"
+        return gated_delta(q, k, v, g, beta, state, method=method)
+
+
+def _tail(window: mx.array, start: int, n: int) -> mx.array:
+    """`window[:, start:start+n]` as its own buffer: a slice would keep the whole window alive
+    (a `[1, 3, 8192]` tail pinned 16.9 MB of a 512-token chunk) while `nbytes` says 98 KB."""
+    return mx.contiguous(window[:, start : start + n])
 
 
 class Attention(nn.Module):
@@ -179,12 +189,12 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
-        idx = mx.stop_gradient(
-            mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
-        )
+        # Router in the compute dtype with a float32 softmax, rounded where mlx-lm rounds it
+        # (the same ops in float32; in half precision the top-k weights must round alike).
+        probs = mx.softmax(self.gate(x), axis=-1, precise=True)
+        idx = mx.stop_gradient(mx.argpartition(probs, kth=-self.top_k, axis=-1)[..., -self.top_k :])
         w = mx.take_along_axis(probs, idx, axis=-1)
-        w = (w / w.sum(axis=-1, keepdims=True)).astype(x.dtype)
+        w = w / w.sum(axis=-1, keepdims=True)
         y = (self.switch_mlp(x, idx) * w[..., None]).sum(axis=-2)
         return y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
@@ -246,6 +256,18 @@ _NORM_SUFFIXES = (
 )  # fmt: skip
 
 
+def local_path(key: str) -> str | None:
+    """A checkpoint's tensor or module path in this model's naming (None: not ours, e.g.
+    the vision tower or the MTP head). Shared by the weights and mlx-lm's per-path
+    quantization settings, which name modules the same way."""
+    if key.startswith(("model.visual", "vision_tower", "mtp.", "model.mtp")):
+        return None
+    for prefix in ("model.language_model.", "language_model.model.", "language_model.", "model."):
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return key
+
+
 def sanitize(weights: dict[str, mx.array], arch: Architecture) -> dict[str, mx.array]:
     """Map checkpoint tensors (Hub, transformers text-only, or mlx-lm layout) onto ours."""
     # The Hub layout stores the conv as [C, 1, K] and norms as offsets from 1; mlx-lm
@@ -253,17 +275,9 @@ def sanitize(weights: dict[str, mx.array], arch: Architecture) -> dict[str, mx.a
     hub_layout = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
     out = {}
     for key, value in weights.items():
-        if key.startswith(("model.visual", "vision_tower", "mtp.", "model.mtp")):
+        key = local_path(key)
+        if key is None:
             continue
-        for prefix in (
-            "model.language_model.",
-            "language_model.model.",
-            "language_model.",
-            "model.",
-        ):
-            if key.startswith(prefix):
-                key = key[len(prefix) :]
-                break
         if key == "lm_head.weight" and arch.tie_word_embeddings:
             continue
         if key.endswith("conv1d.weight"):

@@ -9,7 +9,6 @@ rewinds below it, and `Session` drops the ones above every rewind point.
 from __future__ import annotations
 
 import itertools
-import os
 import weakref
 from dataclasses import dataclass, field
 
@@ -53,11 +52,10 @@ def restore(caches: list, snap: Snapshot) -> None:
 
 
 def default_budget() -> int:
-    """A quarter of physical memory: room for the weights, the OS and the application."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
-    except (ValueError, OSError, AttributeError):
-        return 4 << 30
+    """Without a model to account for: half of the memory MLX may use (runtime.memory)."""
+    from . import memory
+
+    return memory.default_budget(0, memory.device_memory())
 
 
 class CacheBudget:

@@ -300,9 +300,7 @@ class Renderer:
     ("text": no role forgery through message text).
     """
 
-    def __init__(
-        self, engine, window: int | None = None, special_tokens_in_content: str = "text"
-    ):
+    def __init__(self, engine, window: int | None = None, special_tokens_in_content: str = "text"):
         self.engine = engine
         self.window = window
         self.text_spans = check_special_mode(special_tokens_in_content) == "text"

@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..runtime.cache import KVCache, RecurrentCache
+from ..runtime.generate import cache_arrays
 from ..runtime.snapshot import Snapshot
 
 FORMAT = "chatml-session"
@@ -197,4 +198,8 @@ def decode_state(data: bytes, engine, expected_key: str | None):
             else:
                 layers.append(None)
         snapshots[p] = Snapshot(p, layers, nbytes)
+    # Evaluated here, on the thread that made them (the bfloat16 `.view`s and KV writes are
+    # lazy): a lazy array fails when another thread's stream evaluates it.
+    arrays = [a for s in snapshots.values() for layer in s.layers if layer for a in layer[:2]]
+    mx.eval([a for a in cache_arrays(caches) + arrays if a is not None])
     return tokens, caches, snapshots

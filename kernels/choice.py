@@ -1,0 +1,60 @@
+"""Which gated delta implementation runs where: a pure function of (device, head shape, T).
+
+The candidates:
+  - "sequential": ``mx.fast.gated_delta_update``. On the CPU one step at a time (about 4x mlx-lm's
+    ops loop). On Metal a fused kernel, but only for Dk = Dv = 128 with (Hk, Hv) in
+    ``METAL_FUSED_HEADS`` (MLX 0.32 ``GatedDeltaUpdate::use_fallback``); every other shape,
+    and every CUDA device, falls back to T steps of small ops (MLX PR #4522).
+  - "chunked": ``kernels.delta_rule`` (matmuls over chunks of 64 plus one triangular inverse
+    per chunk; LAPACK on the CPU, matmul-only blocked inverse on a GPU).
+  - "mlx_lm": mlx-lm's own Metal kernel (``mlx_lm.models.gated_delta.gated_delta_kernel``),
+    what mlx-lm itself runs on Metal for any Dk that is a multiple of 32.
+
+``import kernels.choice`` does not import mlx: ``choose`` is testable as plain Python, and
+``device_kind`` asks MLX only when called.
+"""
+
+from __future__ import annotations
+
+# (Hk, Hv) pairs that MLX 0.32's fused Metal kernel covers (with Dk = Dv = 128).
+METAL_FUSED_HEADS = frozenset({(24, 24), (32, 32), (16, 32), (16, 48)})
+# CPU: below this many steps the sequential kernel wins (chunk setup costs more than it saves).
+# Measured on 2 x86 cores with OpenBLAS, 16 heads x 128 x 128: break-even near T = 8
+# (T=4: 6.0 vs 2.7 ms; T=8: 5.9 vs 5.6 ms; T=16: 6.3 vs 13.0 ms chunked vs sequential).
+MIN_CHUNKED_T = 16
+# CUDA: mx.fast there is T steps of ~10 small kernels each, the chunked path a fixed few
+# hundred per 64 steps. An assumption until bench/gpu_check.py measures it on a CUDA device.
+MIN_CHUNKED_T_CUDA = 16
+
+METHODS = ("sequential", "chunked", "mlx_lm")
+
+
+def choose(
+    device: str, hk: int, hv: int, dk: int, dv: int, t: int, *, fast_matmul: bool = True
+) -> str:
+    """The method for `t` steps of heads (Hk, Hv, Dk, Dv) on `device` ("cpu", "metal", "cuda").
+
+    `fast_matmul`: whether CPU float32 matmuls are fast (Accelerate, or a fast BLAS on Linux);
+    with the reference BLAS the chunked path is ~0.8x the sequential one, not a win.
+    """
+    if device == "cpu":
+        return "chunked" if t >= MIN_CHUNKED_T and fast_matmul else "sequential"
+    if device == "metal":
+        # mlx-lm's choice, which this engine cannot measure without a Mac: its own kernel for
+        # every head shape it takes, at any T. MLX's fused kernel (METAL_FUSED_HEADS) is the
+        # candidate to measure against it; the per-token fallback never wins.
+        return "mlx_lm" if dk >= 32 and dk % 32 == 0 else "sequential"
+    if device == "cuda":
+        return "chunked" if t >= MIN_CHUNKED_T_CUDA else "sequential"
+    raise ValueError(f"unknown device {device!r} (expected cpu, metal or cuda)")
+
+
+def device_kind() -> str:
+    """ "cpu", "metal" or "cuda": where MLX's default device computes."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    return "cuda"

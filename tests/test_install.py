@@ -1,0 +1,52 @@
+"""Which MLX backend `pip install -e .` asks for (setup.py): never two on one machine."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SETUP = Path(__file__).resolve().parents[1] / "setup.py"
+
+
+def mlx_requirements(*args):
+    spec = importlib.util.spec_from_file_location("chatml_setup", SETUP)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # setup() itself runs only as __main__
+    return module.mlx_requirements(*args)
+
+
+def linux(reqs):
+    (req,) = [r for r in reqs if "linux" in r]
+    return req.split(">=")[0]
+
+
+def test_a_cpu_only_machine_gets_the_cpu_backend():
+    assert linux(mlx_requirements(None, False)) == "mlx[cpu]"
+
+
+def test_a_machine_with_an_nvidia_driver_picks_its_backend_by_extra():
+    # no backend in the base: `.[cuda]`, `.[cuda13]` or `.[cpu]` adds exactly one
+    assert linux(mlx_requirements(None, True)) == "mlx"
+
+
+@pytest.mark.parametrize("choice", ["cpu", "cuda12", "cuda13"])
+def test_the_environment_variable_decides(choice):
+    for driver in (False, True):
+        assert linux(mlx_requirements(choice, driver)) == f"mlx[{choice}]"
+    assert linux(mlx_requirements("none", False)) == "mlx"
+
+
+def test_a_wrong_choice_is_named():
+    with pytest.raises(ValueError, match="CHATML_MLX_BACKEND must be one of"):
+        mlx_requirements("rocm", False)
+
+
+def test_the_extras_each_name_one_backend():
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11")
+    extras = tomllib.loads((SETUP.parent / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    for name, backend in (("cpu", "cpu"), ("cuda", "cuda12"), ("cuda12", "cuda12"),
+                          ("cuda13", "cuda13")):  # fmt: skip
+        (req,) = extras[name]
+        assert req.startswith(f"mlx[{backend}]>=")
