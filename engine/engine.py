@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from .checkpoints.registry import ModelEntry
 from .checkpoints.tokenizer import Tokenizer
 from .runtime.model import ModelOptions, Qwen35
 from .runtime.snapshot import CacheBudget
+from .runtime.worker import ModelThread
 
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -37,6 +39,9 @@ class Engine:
     lock: threading.RLock = field(default_factory=threading.RLock)
     # Set while foreground work waits for the lock: background work yields at its next chunk.
     _yield: threading.Event = field(default_factory=threading.Event)
+    _worker: ModelThread | None = field(default=None, repr=False)
+    _worker_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _stateless: object = field(default=None, repr=False)
 
     @property
     def path(self) -> Path:
@@ -55,7 +60,26 @@ class Engine:
             yield
 
     def background_should_yield(self) -> bool:
-        return self._yield.is_set()
+        """True when idle-time work should stop at its next chunk: other work wants the model."""
+        worker = self._worker
+        return self._yield.is_set() or (worker is not None and worker.should_yield())
+
+    @property
+    def worker(self) -> ModelThread:
+        """The engine's model-owner thread (started on first use): all MLX work runs there."""
+        with self._worker_lock:
+            if self._worker is None or not self._worker.alive:
+                self._worker = ModelThread(self.lock)
+                # Stopped when the engine goes away, or at exit: no MLX work outlives Python.
+                weakref.finalize(self, self._worker.stop)
+            return self._worker
+
+    def close(self) -> None:
+        """Stop the model thread (after its running job); a later call starts a new one."""
+        with self._worker_lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop()
 
     def session(self, system: str | None = None, **options):
         """A conversation on this engine (see `engine.session.Session`)."""

@@ -24,6 +24,7 @@ from renderer import PromptTooLong, SegmentCache, build_prompt
 from .checkpoints.tokenizer import StreamDecoder
 from .runtime.sampling import Sampler, SamplingParams
 from .runtime.sequence import CachedSequence, Progress
+from .runtime.worker import Job
 from .turn import Turn, TurnStats, parse_tool_calls, split_reasoning
 
 DEFAULT_MAX_TOKENS = 512
@@ -97,7 +98,7 @@ class Session:
         self.seq = CachedSequence(engine)
         self.segments = SegmentCache()  # token ids of rendered segments, reused across turns
         self._warmed = (0, 0)  # positions the last warm() computed, for the next turn's stats
-        self._warming: tuple[threading.Thread, threading.Event] | None = None
+        self._warming: Job | None = None  # a queued or running warm_in_background()
         self._answering = threading.Lock()  # held while a turn runs (an open stream)
         self._recorded = 0  # turns recorded: a stream made before the last one is stale
 
@@ -177,11 +178,20 @@ class Session:
         The next prompt is this conversation as the template will re-render it (previous answer
         without its think block; on a turn that trims, the re-windowed history) up to where the
         new user message starts. Prefilling it now leaves only the new message for the wait.
-        Exact: the next turn reuses only what matches its prompt. Stops at a chunk boundary
-        when foreground work needs the model, or when `cancelled()` is true.
+        Exact: the next turn reuses only what matches its prompt. Runs on the engine's model
+        thread and stops at a chunk boundary when other work is queued for the model, or when
+        `cancelled()` (called on that thread) is true.
         """
         if self.pending or self._answering.locked():
             return 0  # tool results come next (the prompt ends at a boundary), or a turn runs
+        job = Job(lambda job: self._warm(lambda: job.cancelled.is_set() or bool(cancelled and cancelled())),
+                  background=True)  # fmt: skip
+        return self.engine.worker.run(job)
+
+    def _warm(self, cancelled: Callable[[], bool]) -> int:
+        """`warm`'s work, on the model thread."""
+        if self.pending or self._answering.locked() or cancelled():
+            return 0
         prompt = self.render([{"role": "user", "content": _TYPICAL_MESSAGE}], self.max_tokens)
         b = prompt.boundaries
         prefix = prompt.ids[: b.message_starts[-1]]  # up to the new user message
@@ -190,33 +200,30 @@ class Session:
         stops = {b.system_end, len(prefix)}
 
         def stop() -> bool:
-            return self.engine.background_should_yield() or bool(cancelled and cancelled())
+            return self.engine.background_should_yield() or cancelled()
 
         start, end = self.seq.extend(prefix, stops=stops, cancelled=stop)
         if end > start:
             self._warmed = (start, end)
         return end - start
 
-    def warm_in_background(self) -> threading.Thread:
-        """Run `warm()` on a daemon thread; a new `send`/`stream` interrupts it at a chunk.
+    def warm_in_background(self) -> Job:
+        """Queue `warm()` as idle-time work on the engine's model thread; returns its job.
 
-        Call `stop_warm()` before the process exits: MLX work must not outlive the interpreter.
+        Any other work for the model (this session's next turn included) stops it at a chunk.
         """
         self.stop_warm()
-        cancel = threading.Event()
-        thread = threading.Thread(target=self.warm, args=(cancel.is_set,), name="chatml-warm",
-                                  daemon=True)  # fmt: skip
-        self._warming = (thread, cancel)
-        thread.start()
-        return thread
+        job = Job(lambda job: self._warm(job.cancelled.is_set), background=True)
+        self._warming = self.engine.worker.submit(job)
+        return job
 
     def stop_warm(self, timeout: float | None = None) -> None:
         """Stop a background warm-up at its next chunk and wait for it."""
         if self._warming is not None:
-            thread, cancel = self._warming
-            cancel.set()
-            thread.join(timeout)
-            self._warming = None
+            job, self._warming = self._warming, None
+            job.cancel()
+            if job.started:  # one that has not started sees the flag and does nothing
+                job.wait(timeout)
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays)."""
@@ -284,7 +291,9 @@ class Session:
                 raise TurnConflict(
                     "this stream was made before the session's last turn: make a new one"
                 )
-            turn = yield from self._answer(*args)
+            # The turn runs on the engine's model thread, one piece per `next` here: closing
+            # this generator closes that one there (rolling back) before it returns.
+            turn = yield from self.engine.worker.iterate(lambda: self._answer(*args))
         finally:
             self._answering.release()
         yield turn
@@ -295,7 +304,7 @@ class Session:
         stops = _resume_points(prompt, len(current))
         progress = Progress()
         detok, pieces = StreamDecoder(self.engine.tokenizer), []
-        # Held across the yields: one computation on the model at a time; warm-up yields to us.
+        # On the model thread (see `_run`), which holds the model across the yields.
         with self.engine.foreground():
             tokens = self.seq.generate(
                 prompt.ids, stops=stops, sampler=sampler, max_tokens=max_tokens,
