@@ -81,6 +81,67 @@ class Engine:
         if worker is not None:
             worker.stop()
 
+    @property
+    def stateless(self):
+        """The engine-wide stateless chat (`engine.stateless.StatelessChat`): its renderer and
+        its pool of cached sequences, shared by `chat`, `chat_stream` and `chatml serve`."""
+        with self._worker_lock:
+            if self._stateless is None:
+                from .stateless import StatelessChat
+
+                self._stateless = StatelessChat(self)
+            return self._stateless
+
+    def chat(self, messages: list[dict], **options):
+        """Answer a whole conversation (OpenAI-style `messages`); returns the Turn.
+
+        Stateless: send the whole conversation each time; what earlier calls computed is
+        reused through the engine's pool of cached sequences. Options as `chat_stream`.
+        """
+        from .stateless import last
+
+        return last(self.chat_stream(messages, **options))
+
+    def chat_stream(
+        self,
+        messages: list[dict],
+        *,
+        tools: list[dict] | None = None,
+        tool_choice: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        stop: str | list[str] | None = None,
+        enable_thinking: bool | None = None,
+        preserve_thinking: bool | None = None,
+        max_exchanges: int | None = None,
+        context_window: int | None = None,
+        warm: bool = True,
+    ):
+        """Yield the answer's text pieces, then the Turn (see `chat`).
+
+        The server's checks, rendering, tool calls, thinking split and stop strings. Every
+        message is kept, and a conversation past the context window (`context_window`,
+        default the model's) is a `ChatError`, unless `max_exchanges` keeps only that many
+        earlier exchanges (fewer if the window needs it), as a Session does. `max_tokens`
+        defaults to 512 within the window. `warm` prefills the conversation's likely next
+        prompt while the engine is idle. Bad input raises `ChatError` (a ValueError) here,
+        before anything runs; several threads may call at once (served one after another).
+        """
+        from .stateless import chat_stream
+
+        return chat_stream(
+            self, messages, tools=tools, tool_choice=tool_choice, max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repetition_penalty=repetition_penalty, seed=seed, stop=stop,
+            enable_thinking=enable_thinking, preserve_thinking=preserve_thinking,
+            max_exchanges=max_exchanges, context_window=context_window, warm=warm,
+        )  # fmt: skip
+
     def session(self, system: str | None = None, **options):
         """A conversation on this engine (see `engine.session.Session`)."""
         from .session import Session

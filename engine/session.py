@@ -25,7 +25,7 @@ from .checkpoints.tokenizer import StreamDecoder
 from .runtime.sampling import Sampler, SamplingParams
 from .runtime.sequence import CachedSequence, Progress
 from .runtime.worker import Job
-from .turn import Turn, TurnStats, parse_tool_calls, split_reasoning
+from .turn import Turn, make_turn
 
 DEFAULT_MAX_TOKENS = 512
 # What warm() assumes the next message costs when it predicts the window's token budget.
@@ -335,27 +335,10 @@ class Session:
         return turn
 
     def _make_turn(self, prompt, raw: str, p: Progress, t0: float) -> Turn:
-        thinking = prompt.text.endswith("<think>\n")  # the generation prompt opened a think block
-        reasoning, answer = split_reasoning(raw, thinking)
-        content, calls, error = parse_tool_calls(answer)
-        n = len(p.tokens)
-        stats = TurnStats(
-            prompt_tokens=len(prompt.ids),
-            reused_tokens=p.reused,
-            prefilled_tokens=p.prefilled,
-            generated_tokens=n,
-            dropped_exchanges=prompt.dropped,
-            ttft_s=(p.first_token_at - t0) if p.first_token_at else 0.0,
-            prefill_s=p.prefill_s,
-            decode_s=p.decode_s,
-            prefill_tps=p.prefilled / p.prefill_s if p.prefill_s > 0 else 0.0,
-            decode_tps=(n - 1) / p.decode_s if p.decode_s > 0 and n > 1 else 0.0,
-            cache_bytes=self.seq.cache_bytes,
-            warm_tokens=max(0, min(p.reused, self._warmed[1]) - self._warmed[0]),
-        )
+        warm_tokens = max(0, min(p.reused, self._warmed[1]) - self._warmed[0])
         self._warmed = (0, 0)
-        return Turn(content, reasoning, list(prompt.ids), list(p.tokens), stats, p.finish,
-                    calls, error)  # fmt: skip
+        return make_turn(prompt, raw, p, t0, cache_bytes=self.seq.cache_bytes,
+                         warm_tokens=warm_tokens)  # fmt: skip
 
     def _record(self, current: list[dict], turn: Turn) -> None:
         self._recorded += 1
