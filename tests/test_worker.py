@@ -193,3 +193,37 @@ def test_sessions_used_from_many_threads_at_once_answer_as_alone(tiny):
         t.join(300)
     assert not errors, errors
     assert results == alone
+
+
+def test_ctrl_c_while_waiting_for_the_next_piece_leaves_no_trace(tiny, monkeypatch):
+    import signal
+
+    from engine.runtime.sampling import Sampler
+
+    s = tiny.session("sys")
+    s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    history, tokens = [list(e) for e in s.history], list(s.tokens)
+    main = threading.main_thread().ident
+
+    class Interrupting(Sampler):
+        """Sends SIGINT to the main thread from the model thread, mid-answer."""
+
+        calls = 0
+
+        def __call__(self, logits, recent):
+            Interrupting.calls += 1
+            if Interrupting.calls == 3:
+                signal.pthread_kill(main, signal.SIGINT)
+            return super().__call__(logits, recent)
+
+    monkeypatch.setattr("engine.session.Sampler", Interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in s.stream(QUESTIONS[1], max_tokens=40, ignore_eos=True):
+            pass
+    monkeypatch.undo()
+    assert Interrupting.calls >= 3
+    # The turn was rolled back on the model thread before the interrupt reached us.
+    assert s.history == history
+    assert tokens[: len(s.tokens)] == s.tokens
+    turn = s.send(QUESTIONS[1], max_tokens=MAX_TOKENS)
+    assert turn.token_ids == fresh_greedy(tiny, turn.prompt_ids, MAX_TOKENS)[0]

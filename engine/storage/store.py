@@ -220,10 +220,9 @@ class StoredSession:
         path = self.dir / STATE
         if key is None or not path.exists():
             return
-        data = path.read_bytes()
         try:
             # MLX arrays are made on the model thread, where the session's turns use them.
-            self.engine.worker.call(self._adopt_state, data, key)
+            self.engine.worker.call(self._adopt_state, path.read_bytes(), key)
         except Exception as e:  # whatever the damage, the log is the truth: rebuild from it
             self.state_error = str(e) if isinstance(e, StateError) else repr(e)
             self.store.warn(f"{path}: ignored ({e}); the history is rebuilt from the log")
