@@ -184,9 +184,11 @@ class Session:
         """
         if self.pending or self._answering.locked():
             return 0  # tool results come next (the prompt ends at a boundary), or a turn runs
-        job = Job(lambda job: self._warm(lambda: job.cancelled.is_set() or bool(cancelled and cancelled())),
-                  background=True)  # fmt: skip
-        return self.engine.worker.run(job)
+
+        def work(job: Job) -> int:
+            return self._warm(lambda: job.cancelled.is_set() or bool(cancelled and cancelled()))
+
+        return self.engine.worker.run(Job(work, background=True))
 
     def _warm(self, cancelled: Callable[[], bool]) -> int:
         """`warm`'s work, on the model thread."""

@@ -59,6 +59,9 @@ class Job:
 
     join = wait  # a warm-up handle used to be a Thread
 
+    def is_alive(self) -> bool:
+        return not self.done.is_set()
+
     def outcome(self):
         """The result, or the job's exception re-raised on the caller's thread."""
         if self.error is not None:
