@@ -6,5 +6,6 @@ _blas.enable()  # must run before MLX loads: MLX resolves cblas_sgemm at load ti
 
 from .engine import Engine, load  # noqa: E402
 from .session import TurnConflict  # noqa: E402
+from .stateless import ChatError  # noqa: E402
 
-__all__ = ["Engine", "TurnConflict", "load"]
+__all__ = ["ChatError", "Engine", "TurnConflict", "load"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from .checkpoints.tokenizer import Tokenizer
 from .runtime import memory
 from .runtime.model import ModelOptions, Qwen35
 from .runtime.snapshot import CacheBudget
+from .runtime.worker import ModelThread
 
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -47,6 +49,9 @@ class Engine:
     lock: threading.RLock = field(default_factory=threading.RLock)
     # Set while foreground work waits for the lock: background work yields at its next chunk.
     _yield: threading.Event = field(default_factory=threading.Event)
+    _worker: ModelThread | None = field(default=None, repr=False)
+    _worker_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _stateless: object = field(default=None, repr=False)
 
     @property
     def path(self) -> Path:
@@ -73,7 +78,87 @@ class Engine:
         return sampling_defaults(self.checkpoint.generation)
 
     def background_should_yield(self) -> bool:
-        return self._yield.is_set()
+        """True when idle-time work should stop at its next chunk: other work wants the model."""
+        worker = self._worker
+        return self._yield.is_set() or (worker is not None and worker.should_yield())
+
+    @property
+    def worker(self) -> ModelThread:
+        """The engine's model-owner thread (started on first use): all MLX work runs there."""
+        with self._worker_lock:
+            if self._worker is None or not self._worker.alive:
+                self._worker = ModelThread(self.lock)
+                # Stopped when the engine goes away, or at exit: no MLX work outlives Python.
+                weakref.finalize(self, self._worker.stop)
+            return self._worker
+
+    def close(self) -> None:
+        """Stop the model thread (after its running job); a later call starts a new one."""
+        with self._worker_lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop()
+
+    @property
+    def stateless(self):
+        """The engine-wide stateless chat (`engine.stateless.StatelessChat`): its renderer and
+        its pool of cached sequences, shared by `chat`, `chat_stream` and `chatml serve`."""
+        with self._worker_lock:
+            if self._stateless is None:
+                from .stateless import StatelessChat
+
+                self._stateless = StatelessChat(self)
+            return self._stateless
+
+    def chat(self, messages: list[dict], **options):
+        """Answer a whole conversation (OpenAI-style `messages`); returns the Turn.
+
+        Stateless: send the whole conversation each time; what earlier calls computed is
+        reused through the engine's pool of cached sequences. Options as `chat_stream`.
+        """
+        from .stateless import last
+
+        return last(self.chat_stream(messages, **options))
+
+    def chat_stream(
+        self,
+        messages: list[dict],
+        *,
+        tools: list[dict] | None = None,
+        tool_choice: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        stop: str | list[str] | None = None,
+        enable_thinking: bool | None = None,
+        preserve_thinking: bool | None = None,
+        max_exchanges: int | None = None,
+        context_window: int | None = None,
+        warm: bool = True,
+    ):
+        """Yield the answer's text pieces, then the Turn (see `chat`).
+
+        The server's checks, rendering, tool calls, thinking split and stop strings. Every
+        message is kept, and a conversation past the context window (`context_window`,
+        default the model's) is a `ChatError`, unless `max_exchanges` keeps only that many
+        earlier exchanges (fewer if the window needs it), as a Session does. `max_tokens`
+        defaults to 512 within the window. `warm` prefills the conversation's likely next
+        prompt while the engine is idle. Bad input raises `ChatError` (a ValueError) here,
+        before anything runs; several threads may call at once (served one after another).
+        """
+        from .stateless import chat_stream
+
+        return chat_stream(
+            self, messages, tools=tools, tool_choice=tool_choice, max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repetition_penalty=repetition_penalty, seed=seed, stop=stop,
+            enable_thinking=enable_thinking, preserve_thinking=preserve_thinking,
+            max_exchanges=max_exchanges, context_window=context_window, warm=warm,
+        )  # fmt: skip
 
     def session(self, system: str | None = None, **options):
         """A conversation on this engine (see `engine.session.Session`)."""

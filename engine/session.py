@@ -14,7 +14,6 @@ its state before the turn, or at a snapshot of it.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import deque
@@ -25,7 +24,8 @@ from renderer import PromptTooLong, SegmentCache, build_prompt
 from .checkpoints.tokenizer import StreamDecoder, check_special_mode
 from .runtime.sampling import Sampler, SamplingParams
 from .runtime.sequence import CachedSequence, Progress
-from .turn import Turn, TurnStats, parse_tool_calls, split_reasoning
+from .runtime.worker import Job
+from .turn import Turn, make_turn
 
 DEFAULT_MAX_TOKENS = 512
 # What warm() assumes the next message costs when it predicts the window's token budget.
@@ -125,7 +125,7 @@ class Session:
         self.seq = CachedSequence(engine)
         self.segments = SegmentCache()  # token ids of rendered segments, reused across turns
         self._warmed = (0, 0)  # positions the last warm() computed, for the next turn's stats
-        self._warming: tuple[threading.Thread, threading.Event] | None = None
+        self._warming: Job | None = None  # a queued or running warm_in_background()
         self._answering = threading.Lock()  # held while a turn runs (an open stream)
         self._recorded = 0  # turns recorded and resets: a stream made before the last is stale
 
@@ -214,12 +214,23 @@ class Session:
         The next prompt is this conversation as the template will re-render it (previous answer
         without its think block; on a turn that trims, the re-windowed history) up to where the
         new user message starts. Prefilling it now leaves only the new message for the wait.
-        Exact: the next turn reuses only what matches its prompt. Stops at a chunk boundary
-        when foreground work needs the model, or when `cancelled()` is true.
+        Exact: the next turn reuses only what matches its prompt. Runs on the engine's model
+        thread and stops at a chunk boundary when other work is queued for the model, or when
+        `cancelled()` (called on that thread) is true.
         """
         self._check_idle()
         if self.pending:
             return 0  # tool results come next: the prompt already ends at a boundary
+
+        def work(job: Job) -> int:
+            return self._warm(lambda: job.cancelled.is_set() or bool(cancelled and cancelled()))
+
+        return self.engine.worker.run(Job(work, background=True))
+
+    def _warm(self, cancelled: Callable[[], bool]) -> int:
+        """`warm`'s work, on the model thread."""
+        if self.pending or self._answering.locked() or cancelled():
+            return 0  # a stream began first: it needs no warm-up
         prompt = self.render([{"role": "user", "content": _TYPICAL_MESSAGE}], self.max_tokens)
         b = prompt.boundaries
         prefix = prompt.ids[: b.message_starts[-1]]  # up to the new user message
@@ -228,38 +239,31 @@ class Session:
         stops = {b.system_end, len(prefix)}
 
         def stop() -> bool:
-            return self.engine.background_should_yield() or bool(cancelled and cancelled())
+            return self.engine.background_should_yield() or cancelled()
 
         start, end = self.seq.extend(prefix, stops=stops, cancelled=stop)
         if end > start:
             self._warmed = (start, end)
         return end - start
 
-    def warm_in_background(self) -> threading.Thread:
-        """Run `warm()` on a daemon thread; a new `send`/`stream` interrupts it at a chunk.
+    def warm_in_background(self) -> Job:
+        """Queue `warm()` as idle-time work on the engine's model thread; returns its job.
 
-        Call `stop_warm()` before the process exits: MLX work must not outlive the interpreter.
+        Any other work for the model (this session's next turn included) stops it at a chunk.
         """
         self._check_idle()
         self.stop_warm()
-        cancel = threading.Event()
-
-        def warm() -> None:
-            with contextlib.suppress(TurnConflict):  # a stream began first: it needs no warm-up
-                self.warm(cancel.is_set)
-
-        thread = threading.Thread(target=warm, name="chatml-warm", daemon=True)
-        self._warming = (thread, cancel)
-        thread.start()
-        return thread
+        job = Job(lambda job: self._warm(job.cancelled.is_set), background=True)
+        self._warming = self.engine.worker.submit(job)
+        return job
 
     def stop_warm(self, timeout: float | None = None) -> None:
         """Stop a background warm-up at its next chunk and wait for it."""
         if self._warming is not None:
-            thread, cancel = self._warming
-            cancel.set()
-            thread.join(timeout)
-            self._warming = None
+            job, self._warming = self._warming, None
+            job.cancel()
+            if job.started:  # one that has not started sees the flag and does nothing
+                job.wait(timeout)
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays); refused while a turn runs."""
@@ -343,7 +347,9 @@ class Session:
                     "this stream was made before the session's last turn (or reset): make a new one"
                 )
             self.stop_warm()  # one started since this stream was made: it would move the caches
-            turn = yield from self._answer(*args)
+            # The turn runs on the engine's model thread, one piece per `next` here: closing
+            # this generator closes that one there (rolling back) before it returns.
+            turn = yield from self.engine.worker.iterate(lambda: self._answer(*args))
         finally:
             self._answering.release()
         yield turn
@@ -354,7 +360,7 @@ class Session:
         stops = _resume_points(prompt, len(current))
         progress = Progress()
         detok, pieces = StreamDecoder(self.engine.tokenizer), []
-        # Held across the yields: one computation on the model at a time; warm-up yields to us.
+        # On the model thread (see `_run`), which holds the model across the yields.
         with self.engine.foreground():
             tokens = self.seq.generate(
                 prompt.ids, stops=stops, sampler=sampler, max_tokens=max_tokens,
@@ -385,27 +391,10 @@ class Session:
         return turn
 
     def _make_turn(self, prompt, raw: str, p: Progress, t0: float) -> Turn:
-        thinking = prompt.text.endswith("<think>\n")  # the generation prompt opened a think block
-        reasoning, answer = split_reasoning(raw, thinking)
-        content, calls, error = parse_tool_calls(answer)
-        n = len(p.tokens)
-        stats = TurnStats(
-            prompt_tokens=len(prompt.ids),
-            reused_tokens=p.reused,
-            prefilled_tokens=p.prefilled,
-            generated_tokens=n,
-            dropped_exchanges=prompt.dropped,
-            ttft_s=(p.first_token_at - t0) if p.first_token_at else 0.0,
-            prefill_s=p.prefill_s,
-            decode_s=p.decode_s,
-            prefill_tps=p.prefilled / p.prefill_s if p.prefill_s > 0 else 0.0,
-            decode_tps=(n - 1) / p.decode_s if p.decode_s > 0 and n > 1 else 0.0,
-            cache_bytes=self.seq.cache_bytes,
-            warm_tokens=max(0, min(p.reused, self._warmed[1]) - self._warmed[0]),
-        )
+        warm_tokens = max(0, min(p.reused, self._warmed[1]) - self._warmed[0])
         self._warmed = (0, 0)
-        return Turn(content, reasoning, list(prompt.ids), list(p.tokens), stats, p.finish,
-                    calls, error)  # fmt: skip
+        return make_turn(prompt, raw, p, t0, cache_bytes=self.seq.cache_bytes,
+                         warm_tokens=warm_tokens)  # fmt: skip
 
     def _record(self, current: list[dict], turn: Turn) -> None:
         self._recorded += 1

@@ -56,6 +56,32 @@ class Turn:
         return m
 
 
+def make_turn(prompt, raw: str, progress, t0: float, *, cache_bytes: int, warm_tokens: int,
+              finish: str | None = None) -> Turn:  # fmt: skip
+    """The Turn for generated text `raw` after `prompt` (a renderer Prompt), from the
+    `Progress` of its generation; `t0` is when the call began (for the time to first token)."""
+    thinking = prompt.text.endswith("<think>\n")  # the generation prompt opened a think block
+    reasoning, answer = split_reasoning(raw, thinking)
+    content, calls, error = parse_tool_calls(answer)
+    p, n = progress, len(progress.tokens)
+    stats = TurnStats(
+        prompt_tokens=len(prompt.ids),
+        reused_tokens=p.reused,
+        prefilled_tokens=p.prefilled,
+        generated_tokens=n,
+        dropped_exchanges=prompt.dropped,
+        ttft_s=(p.first_token_at - t0) if p.first_token_at else 0.0,
+        prefill_s=p.prefill_s,
+        decode_s=p.decode_s,
+        prefill_tps=p.prefilled / p.prefill_s if p.prefill_s > 0 else 0.0,
+        decode_tps=(n - 1) / p.decode_s if p.decode_s > 0 and n > 1 else 0.0,
+        cache_bytes=cache_bytes,
+        warm_tokens=warm_tokens,
+    )
+    return Turn(content, reasoning, list(prompt.ids), list(p.tokens), stats, finish or p.finish,
+                calls, error)  # fmt: skip
+
+
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
 _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from . import snapshot
-from .generate import decode, prefill
+from .generate import decode, eval_caches, prefill
 from .sampling import Sampler
 
 
@@ -143,6 +143,9 @@ class CachedSequence:
                         progress.tokens.append(token)
                         yield token
                 progress.decode_s = time.perf_counter() - t
+                # Nothing lazy outlives the call: arrays are evaluated on the thread that made
+                # them (the last step's conv tails otherwise abort the process at exit).
+                eval_caches(self.caches)
                 # The caches hold every generated token but the last one (never fed back).
                 done = progress.tokens
                 self.tokens += done if progress.finish == "stop" else done[:-1]
@@ -152,6 +155,7 @@ class CachedSequence:
                 # last, all valid. Callers that want no trace roll back with `progress.undo`.
                 self.tokens += progress.tokens[:-1]
                 progress.finish = "cancelled"
+                eval_caches(self.caches)
                 self.last_used = snapshot.tick()
                 engine.budget.enforce(active=self)
                 raise

@@ -9,6 +9,7 @@ rewinds below it, and `Session` drops the ones above every rewind point.
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -71,20 +72,28 @@ class CacheBudget:
     def __init__(self, max_bytes: int | None = None):
         self.max_bytes = default_budget() if max_bytes is None else max_bytes
         self._sequences: weakref.WeakSet = weakref.WeakSet()
+        # Sessions are made on any thread while the model thread walks the set.
+        self._lock = threading.Lock()
         self.evictions = 0
 
     def register(self, sequence) -> None:
-        self._sequences.add(sequence)
+        with self._lock:
+            self._sequences.add(sequence)
+
+    def _all(self) -> list:
+        with self._lock:
+            return list(self._sequences)
 
     def used(self) -> int:
-        return sum(s.cache_bytes for s in list(self._sequences))
+        return sum(s.cache_bytes for s in self._all())
 
     def enforce(self, active=None) -> None:
         used = self.used()
         while used > self.max_bytes:
-            items = [(snap.last_used, s, pos) for s in list(self._sequences)
+            sequences = self._all()
+            items = [(snap.last_used, s, pos) for s in sequences
                      for pos, snap in s.snapshots.items()]  # fmt: skip
-            items += [(s.last_used, s, None) for s in list(self._sequences)
+            items += [(s.last_used, s, None) for s in sequences
                       if s is not active and s.live_bytes]  # fmt: skip
             if not items:
                 return

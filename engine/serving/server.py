@@ -1,11 +1,12 @@
 """`chatml serve`: an OpenAI-compatible HTTP server (Starlette on uvicorn) for one model.
 
 Routes: `POST /v1/chat/completions` (streaming with SSE or not), `GET /v1/models`,
-`GET /health`. Requests are stateless: each carries the whole conversation. The handler checks
-and renders it (any thread), then queues a job for the one model-owner thread, which routes the
-prompt to the `SequencePool` sequence that reuses the most, generates, and sends the text
-back to the event loop piece by piece. A client that goes away cancels its job at the next
-token; the sequence keeps what it computed (valid state), nothing else.
+`GET /health`. Requests are stateless: each carries the whole conversation. This is a thin
+HTTP layer over the engine's stateless chat (engine/stateless.py, also `Engine.chat`): the
+handler parses the body, has the request checked and rendered, and queues it on the engine's
+model thread, which routes the prompt to the pool sequence that reuses the most, generates,
+and sends the text back to the event loop piece by piece. A client that goes away cancels its
+job at the next token; the sequence keeps what it computed (valid state), nothing else.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .completion import ApiError, Renderer, output_budget, prepare
-from .pool import DEFAULT_SEQUENCES
-from .worker import Job, ModelWorker, Result
+from ..runtime.pool import DEFAULT_SEQUENCES
+from ..runtime.worker import Job
+from ..stateless import DEFAULT_MAX_TOKENS, openai_message
+from ..turn import Turn
+from .completion import ApiError, Renderer, decode_body, parse_request
 
 log = logging.getLogger("chatml.server")
 
-DEFAULT_MAX_TOKENS = 512  # when a request sets no max_tokens (capped by the context window)
 MAX_BODY_BYTES = 4 << 20
 MAX_QUEUED = 64  # jobs waiting for the model; beyond that, 503 (clients retry)
 API_KEY_ENV = "CHATML_API_KEY"
@@ -146,7 +148,7 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
 
 
 class ServerApp:
-    """The Starlette application around one engine and its model-owner thread."""
+    """The Starlette application around one engine's stateless chat."""
 
     def __init__(self, engine, config: ServerConfig):
         self.engine = engine
@@ -154,7 +156,8 @@ class ServerApp:
         self.window = config.context_window or engine.entry.context_window
         self.sampling = engine.sampling_defaults if config.sampling is None else config.sampling
         self.renderer = Renderer(engine, self.window, config.special_tokens_in_content)
-        self.worker = ModelWorker(engine, config.sequences, self.renderer, config.warm)
+        self.worker = engine.stateless  # runs every request on the engine's model thread
+        self.jobs: set[Job] = set()  # this server's requests not yet finished
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
@@ -172,11 +175,19 @@ class ServerApp:
 
     @asynccontextmanager
     async def _lifespan(self, app) -> AsyncIterator[None]:
-        self.worker.start()
+        pool = self.worker.pool
+        await anyio.to_thread.run_sync(self.engine.worker.call, pool.resize, self.config.sequences)
         try:
             yield
         finally:
-            await anyio.to_thread.run_sync(self.worker.stop)
+            await anyio.to_thread.run_sync(self._cancel_jobs)
+
+    def _cancel_jobs(self) -> None:
+        """At shutdown: this server's requests stop at their next token (the engine goes on)."""
+        for job in list(self.jobs):
+            job.cancel()
+        for job in list(self.jobs):
+            job.wait(30)
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
@@ -187,7 +198,7 @@ class ServerApp:
 
     async def health(self, request: Request) -> Response:
         return JSONResponse(
-            {"status": "ok", "model": self.config.model, "queued": self.worker.jobs.qsize()}
+            {"status": "ok", "model": self.config.model, "queued": self.engine.worker.queued()}
         )
 
     async def models(self, request: Request) -> Response:
@@ -203,23 +214,26 @@ class ServerApp:
             self._check_queue()  # before any work on the body
             # Parsing, checking and tokenizing run on a thread, holding no lock that another
             # request waits on: a huge body does not stall the event loop or small requests.
-            chat, prompt = await anyio.to_thread.run_sync(prepare, raw, self.renderer,
-                                                          self.sampling)  # fmt: skip
-            max_tokens = output_budget(chat, len(prompt.ids), self.window, self.config.max_tokens)
+            prepared = await anyio.to_thread.run_sync(self._prepare, raw)
+            chat = prepared.request
             self._check_queue()
         except ApiError as e:
             return _error(e)
 
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
-        def emit(event: tuple) -> None:  # called on the worker thread
+        mine: list[Job] = []
+
+        def emit(event: tuple) -> None:  # called on the engine's model thread
             try:
                 loop.call_soon_threadsafe(events.put_nowait, event)
             except RuntimeError:  # the loop is gone (shutdown): nobody is listening
-                job.cancel()
+                for j in mine:
+                    j.cancel()
 
-        job = Job(prompt, chat, max_tokens, emit)
-        self.worker.submit(job)
+        job = self.worker.submit(prepared, emit, warm=self.config.warm)
+        mine.append(job)
+        self.jobs = {j for j in self.jobs if not j.done.is_set()} | {job}
         watcher = asyncio.ensure_future(_watch_disconnect(request, job))
         try:
             first = await events.get()  # headers wait until the prompt is in: errors stay HTTP
@@ -247,31 +261,36 @@ class ServerApp:
         return JSONResponse(self._completion(event[1], ident, created))
 
     def _check_queue(self) -> None:
-        if self.worker.jobs.qsize() >= self.config.max_queued:
+        if self.engine.worker.queued() >= self.config.max_queued:
             raise ApiError(503, "the server is busy; retry later", type="server_error",
                            code="overloaded")  # fmt: skip
 
-    def _usage(self, r: Result) -> dict:
+    def _prepare(self, raw: bytes):
+        chat = parse_request(decode_body(raw), self.sampling)
+        return self.worker.prepare(chat, window=self.window, renderer=self.renderer,
+                                   default_max_tokens=self.config.max_tokens, openai=True)  # fmt: skip
+
+    def _usage(self, turn: Turn) -> dict:
+        s = turn.stats
         return {
-            "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": r.completion_tokens,
-            "total_tokens": r.prompt_tokens + r.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
+            "prompt_tokens": s.prompt_tokens,
+            "completion_tokens": s.generated_tokens,
+            "total_tokens": s.prompt_tokens + s.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": s.reused_tokens},
         }
 
-    def _completion(self, r: Result, ident: str, created: int) -> dict:
-        m = r.message
-        message: dict = {"role": "assistant", "content": m.content}
-        if m.reasoning is not None:
-            message["reasoning_content"] = m.reasoning
-        if m.tool_calls:
-            message["tool_calls"] = m.openai_tool_calls()
-            message["content"] = m.content or None
+    def _completion(self, turn: Turn, ident: str, created: int) -> dict:
+        message: dict = {"role": "assistant", "content": turn.text}
+        if turn.reasoning is not None:
+            message["reasoning_content"] = turn.reasoning
+        if turn.tool_calls:
+            message["tool_calls"] = openai_message(turn).openai_tool_calls()
+            message["content"] = turn.text or None
         return {
             "id": ident, "object": "chat.completion", "created": created,
             "model": self.config.model,
-            "choices": [{"index": 0, "message": message, "finish_reason": r.finish_reason}],
-            "usage": self._usage(r),
+            "choices": [{"index": 0, "message": message, "finish_reason": _finish(turn)}],
+            "usage": self._usage(turn),
         }  # fmt: skip
 
     async def _stream(self, chat, job, events, event, watcher, ident, created):
@@ -289,7 +308,7 @@ class ServerApp:
             yield chunk({"role": "assistant", "content": ""})
             while True:
                 if event[0] == "delta":
-                    _, reasoning, content = event
+                    _, reasoning, content, _raw = event
                     if reasoning:
                         yield chunk({"reasoning_content": reasoning})
                     if content:
@@ -298,20 +317,24 @@ class ServerApp:
                     yield f"data: {json.dumps(event[1].body())}\n\n"
                     break
                 elif event[0] == "done":
-                    r: Result = event[1]
-                    calls = r.message.tool_calls and r.message.openai_tool_calls()
-                    if calls:
+                    turn: Turn = event[1]
+                    if turn.tool_calls:
+                        calls = openai_message(turn).openai_tool_calls()
                         deltas = [{"index": i, **c} for i, c in enumerate(calls)]
                         yield chunk({"tool_calls": deltas})
-                    yield chunk({}, r.finish_reason)
+                    yield chunk({}, _finish(turn))
                     if chat.include_usage:
-                        yield chunk(None, usage=self._usage(r))
+                        yield chunk(None, usage=self._usage(turn))
                     break
                 event = await events.get()
             yield "data: [DONE]\n\n"
         finally:
             job.cancel()
             watcher.cancel()
+
+
+def _finish(turn: Turn) -> str:
+    return "tool_calls" if turn.tool_calls else turn.finish_reason
 
 
 class _Stream(StreamingResponse):

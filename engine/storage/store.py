@@ -257,13 +257,17 @@ class StoredSession:
         if key is None or not path.exists():
             return
         try:
-            tokens, caches, snapshots = decode_state(path.read_bytes(), self.engine, key)
+            # MLX arrays are made on the model thread, where the session's turns use them.
+            self.engine.worker.call(self._adopt_state, path.read_bytes(), key)
         except Exception as e:  # whatever the damage, the log is the truth: rebuild from it
             self.state_error = str(e) if isinstance(e, StateError) else repr(e)
             self.store.warn(f"{path}: ignored ({e}); the history is rebuilt from the log")
             return
-        self.session.seq.load(tokens, caches, snapshots)
         self.state_loaded = True
+
+    def _adopt_state(self, data: bytes, key: str) -> None:
+        tokens, caches, snapshots = decode_state(data, self.engine, key)
+        self.session.seq.load(tokens, caches, snapshots)
 
     def _create(self, model: str | None) -> None:
         s = self.session
@@ -358,8 +362,9 @@ class StoredSession:
         seq = self.session.seq
         if not seq.tokens or self._log is None:
             return False
-        with self.engine.foreground():  # a background warm-up must not move the caches meanwhile
-            captured = capture_state(seq, self.engine)
+        # On the model thread, between its jobs: nothing moves the caches meanwhile, and the
+        # arrays are read where they were made. The copy is numpy: any thread may write it.
+        captured = self.engine.worker.call(capture_state, seq, self.engine)
         self.wait_saved()
         if not background:
             self._write_state(captured)

@@ -1,4 +1,4 @@
-"""A pool of cached token sequences shared by stateless requests (the server's reuse store).
+"""A pool of cached token sequences shared by stateless requests (`Engine.chat`, the server).
 
 Every request carries its whole conversation, so reuse is found by token ids alone: a request
 goes to the sequence that can restore the longest prefix of its prompt. A conversation that
@@ -13,9 +13,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from ..runtime.cache import KVCache
-from ..runtime.generate import eval_caches
-from ..runtime.sequence import CachedSequence
+from .cache import KVCache
+from .generate import eval_caches
+from .sequence import CachedSequence
 
 DEFAULT_SEQUENCES = 8
 
@@ -29,6 +29,7 @@ class PooledSequence(CachedSequence):
         # End of the last served prompt's generation head: what lies beyond it is only that
         # prompt's answer, which the next turn of the same conversation re-renders anyway.
         self.protected = 0
+        self.warmed = (0, 0)  # positions the last idle-time warm-up computed (for stats)
 
 
 def fork(src: CachedSequence, pos: int, dst: CachedSequence) -> None:
@@ -58,7 +59,7 @@ def fork(src: CachedSequence, pos: int, dst: CachedSequence) -> None:
 class SequencePool:
     """Up to `size` cached sequences; `acquire` routes a prompt to the best one.
 
-    Not thread-safe: only the model-owner thread uses it.
+    Not thread-safe: only the engine's model thread uses it.
     """
 
     def __init__(self, engine, size: int = DEFAULT_SEQUENCES):
@@ -95,6 +96,13 @@ class SequencePool:
         seq.stamp = next(self._clock)
         seq.protected = generation_start if generation_start is not None else len(ids)
         return seq
+
+    def resize(self, size: int) -> None:
+        """Keep at most `size` sequences from now on (the least recently used go first)."""
+        if size < 1:
+            raise ValueError(f"the pool needs at least one sequence, got {size}")
+        self.size = size
+        self.sequences = sorted(self.sequences, key=lambda s: s.stamp)[-size:]
 
     def _slot(self, exclude: PooledSequence | None) -> PooledSequence:
         """A new sequence while the pool has room, else the least recently used one."""

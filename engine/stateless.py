@@ -1,0 +1,351 @@
+"""`Engine.chat(messages)`: stateless chat, and the one implementation under `chatml serve`.
+
+The caller keeps the conversation and sends all of it on every call, as OpenAI clients do.
+A request is checked and rendered on the caller's thread (the server's own checks:
+`parse_request`, `Renderer`, `output_budget`), then runs on the engine's model thread, which
+routes the prompt to the engine-wide `SequencePool` sequence that reuses the most, generates,
+and afterwards prefills what the same conversation will most likely send next, while no other
+work waits (idle-time warm-up). Nothing is dropped unless `max_exchanges` asks for a window
+(then as a `Session` with that window would): past the context window is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+
+from renderer import Prompt, PromptTooLong, SegmentCache, build_prompt, split_conversation
+
+from .checkpoints.tokenizer import StreamDecoder
+from .runtime.pool import DEFAULT_SEQUENCES, PooledSequence, SequencePool
+from .runtime.sampling import Sampler
+from .runtime.sequence import Progress
+from .runtime.worker import Job
+from .serving.completion import (
+    ApiError,
+    ChatRequest,
+    Message,
+    OutputText,
+    Renderer,
+    _partial_suffix,
+    output_budget,
+    parse_request,
+)
+from .turn import Turn, make_turn
+
+log = logging.getLogger("chatml.server")
+
+DEFAULT_MAX_TOKENS = 512  # when a call sets no max_tokens (capped by the context window)
+
+
+class ChatError(ValueError):
+    """A chat call that cannot run: bad input, or a conversation past the context window.
+
+    `param` names the offending argument (e.g. "messages[2].content"), `code` says why.
+    """
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass
+class PreparedChat:
+    """A checked and rendered request, ready for the model thread."""
+
+    request: ChatRequest
+    prompt: Prompt
+    max_tokens: int
+    window: int
+    max_exchanges: int | None
+    openai: bool  # the client resends answers as OpenAI messages (the server)
+    t0: float
+    renderer: Renderer  # what rendered it (the warm-up renders the next prompt the same way)
+
+
+class StatelessChat:
+    """One engine's stateless chat: its renderer and its pool of cached sequences.
+
+    `prepare` runs on any thread; the generation runs on the engine's model thread, so
+    several threads may chat at once (served one after another).
+    """
+
+    def __init__(self, engine, sequences: int = DEFAULT_SEQUENCES):
+        self.engine = engine
+        self.pool = SequencePool(engine, sequences)  # used on the model thread only
+        self.renderer = Renderer(engine)
+        self.completed = 0  # generations run (answered, failed or cancelled mid-way)
+        self.warmed_tokens = 0  # prefilled by idle-time warm-ups
+        self._segments = SegmentCache(4096)  # for windowed renders
+        self._segments_lock = threading.Lock()
+
+    @property
+    def idle(self) -> threading.Event:
+        """Set while the model thread waits for work (any warm-up done)."""
+        return self.engine.worker.idle
+
+    # ----- on the caller's thread ---------------------------------------------------------
+
+    def prepare(
+        self,
+        request: ChatRequest,
+        *,
+        window: int | None = None,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        max_exchanges: int | None = None,
+        openai: bool = False,
+        renderer: Renderer | None = None,
+    ) -> PreparedChat:
+        """Render `request` and fix its output budget; ApiError(400) naming what is wrong.
+
+        `renderer`: the server's own (its window check, its special-token mode)."""
+        t0 = time.perf_counter()
+        window = window or self.engine.entry.context_window
+        renderer = renderer or self.renderer
+        prompt = renderer.render(request)  # checks every message, keeps them all
+        if max_exchanges is None:
+            max_tokens = output_budget(request, len(prompt.ids), window, default_max_tokens)
+        else:
+            max_tokens = request.max_tokens or default_max_tokens
+            prompt = self._window(request, max_exchanges, window, max_tokens)
+        return PreparedChat(
+            request, prompt, max_tokens, window, max_exchanges, openai, t0, renderer
+        )
+
+    def _window(self, request: ChatRequest, max_exchanges: int, window: int, max_tokens: int):
+        """The prompt with at most `max_exchanges` earlier exchanges, fewer to leave
+        `max_tokens` for the answer: what a Session with that window renders."""
+        system, history, current = split_conversation(request.messages)
+        try:
+            with self._segments_lock:
+                return build_prompt(
+                    self.engine.tokenizer.encode,
+                    system=system,
+                    history=history,
+                    current=current,
+                    max_exchanges=max_exchanges,
+                    max_tokens=window - max_tokens,
+                    variant=self.engine.entry.template,
+                    enable_thinking=request.enable_thinking,
+                    tools=request.tools,
+                    preserve_thinking=request.preserve_thinking,
+                    cache=self._segments,
+                    text_spans=True,  # special tokens in message text are text (README)
+                )
+        except PromptTooLong as e:
+            raise ApiError(
+                400,
+                f"{e} (context window {window} minus {max_tokens} tokens reserved for the answer)",
+                param="messages",
+                code="context_length_exceeded",
+            ) from None
+
+    def stream(self, prepared: PreparedChat, *, warm: bool = True) -> Iterator[str | Turn]:
+        """Yield the answer's text pieces, then the Turn; runs at the caller's pace.
+
+        Closing it early stops the generation at the next token (the pool keeps the valid
+        state it reached).
+        """
+        events = self.engine.worker.iterate(lambda: self.generate(prepared, warm=warm))
+        try:
+            while True:
+                try:
+                    event = next(events)
+                except StopIteration as done:
+                    turn = done.value
+                    break
+                if event[0] == "delta" and event[3]:
+                    yield event[3]
+        finally:
+            events.close()
+        yield turn
+
+    def submit(self, prepared: PreparedChat, emit: Callable[[tuple], None], *,
+               warm: bool = True) -> Job:  # fmt: skip
+        """Queue the generation, running ahead of the consumer; events go to `emit` (on the
+        model thread): ("first",), ("delta", reasoning, content, raw), then ("done", Turn) or
+        ("error", ApiError). `job.cancel()` stops it at the next token."""
+
+        def run(job: Job) -> None:
+            if job.cancelled.is_set():
+                emit(("error", ApiError(499, "the request was cancelled", code="cancelled")))
+                return
+            events = self.generate(prepared, warm=warm)
+            try:
+                while True:
+                    try:
+                        event = next(events)
+                    except StopIteration as done:
+                        outcome = ("done", done.value)
+                        break
+                    emit(event)
+                    if job.cancelled.is_set():  # the client went away
+                        events.close()
+                        outcome = ("error", ApiError(499, "the request was cancelled",
+                                                     code="cancelled"))  # fmt: skip
+                        break
+            except Exception as e:  # keep serving; the sequence has rolled back
+                log.exception("generation failed")
+                outcome = ("error", ApiError(500, f"generation failed: {e}", type="server_error"))
+            emit(outcome)
+
+        return self.engine.worker.submit(Job(run))
+
+    # ----- on the model thread ------------------------------------------------------------
+
+    def generate(self, prepared: PreparedChat, *, warm: bool) -> Generator[tuple, None, Turn]:
+        """Generate on the best pool sequence: yields ("first",) once the prompt is in, then
+        ("delta", reasoning, content, raw) for new visible text; returns the Turn."""
+        prompt, request = prepared.prompt, prepared.request
+        b = prompt.boundaries
+        seq = self.pool.acquire(prompt.ids, b.generation_start)
+        warmed, seq.warmed = seq.warmed, (0, 0)
+        progress = Progress()
+        out = _Output(prompt.text.endswith("<think>\n"), request.stop)
+        detok = StreamDecoder(self.engine.tokenizer)
+        tokens = seq.generate(
+            prompt.ids, stops=b.points(), sampler=Sampler(request.params),
+            max_tokens=prepared.max_tokens, progress=progress,
+        )  # fmt: skip
+        try:
+            for token in tokens:
+                if len(progress.tokens) == 1:
+                    yield ("first",)
+                piece = detok.add(token)
+                if piece and (delta := out.add(piece)):
+                    yield delta
+                if out.text.stopped:
+                    break
+            else:
+                if delta := out.add(detok.flush()):
+                    yield delta
+        finally:
+            tokens.close()  # settle the sequence at the valid state it reached
+            self.completed += 1  # counted before the caller can see the outcome
+        if delta := out.flush():
+            yield delta
+        # The served sequence was exempt while it ran; now the budget holds for all.
+        self.engine.budget.enforce()
+        turn = make_turn(
+            prompt, out.text.raw, progress, prepared.t0, cache_bytes=self.pool.cache_bytes,
+            warm_tokens=max(0, min(progress.reused, warmed[1]) - warmed[0]),
+            finish="stop" if out.text.stopped else None,
+        )  # fmt: skip
+        if warm:
+            stamp = seq.stamp
+            self.engine.worker.submit(
+                Job(lambda job: self._warm(job, prepared, turn, seq, stamp), background=True)
+            )
+        return turn
+
+    def _warm(self, job: Job, prepared: PreparedChat, turn: Turn, seq: PooledSequence,
+              stamp: int) -> None:  # fmt: skip
+        """Prefill what this conversation's next request starts with, while nothing waits.
+
+        A client resends the conversation plus this answer and one new message; everything up
+        to that message is known now (the answer as the template re-renders it). Any queued
+        job interrupts the work at the next chunk; the next request reuses only what matches.
+        """
+        if seq.stamp != stamp or seq not in self.pool.sequences:
+            return  # another request took the sequence over meanwhile
+        if prepared.openai:
+            answer: dict = {"role": "assistant", "content": turn.text}
+            if turn.tool_calls:
+                answer["tool_calls"] = openai_message(turn).openai_tool_calls()
+        else:
+            answer = turn.message()
+        # The results continue this exchange, one per call (the request check insists).
+        nxt = [{"role": "tool", "content": "x"} for _ in turn.tool_calls] or [
+            {"role": "user", "content": "x"}
+        ]
+        request = dataclasses.replace(
+            prepared.request, messages=[*prepared.request.messages, answer, *nxt]
+        )
+        try:
+            if prepared.max_exchanges is None:
+                prompt = prepared.renderer.render(request)
+            else:
+                prompt = self._window(request, prepared.max_exchanges, prepared.window,
+                                      prepared.max_tokens)  # fmt: skip
+        except ApiError:
+            return  # nothing to prepare (e.g. the answer itself is not renderable)
+        b = prompt.boundaries
+        prefix = prompt.ids[: b.message_starts[-len(nxt)]]  # up to the first unknown message
+        start, end = seq.extend(
+            prefix, stops=b.points(),  # those past the prefix are ignored
+            cancelled=lambda: job.cancelled.is_set() or self.engine.worker.should_yield(),
+        )  # fmt: skip
+        if end > start:
+            seq.warmed = (start, end)
+        self.warmed_tokens += end - start
+
+
+class _Output:
+    """OutputText plus the raw text as a Python caller sees it: every generated piece, less
+    what may still turn into a stop string (and nothing from a stop string on)."""
+
+    def __init__(self, thinking: bool, stop: list[str]):
+        self.text = OutputText(thinking, stop)
+        self.shown = 0
+
+    def add(self, piece: str) -> tuple | None:
+        return self._event(*self.text.add(piece), final=False)
+
+    def flush(self) -> tuple | None:
+        return self._event(*self.text.flush(), final=True)
+
+    def _event(self, reasoning: str, content: str, final: bool) -> tuple | None:
+        raw = self.text.raw
+        if not final and not self.text.stopped:
+            raw = raw[: len(raw) - _partial_suffix(raw, self.text.stop_strings)]
+        new, self.shown = raw[self.shown :], max(self.shown, len(raw))
+        if reasoning or content or new:
+            return ("delta", reasoning, content, new)
+        return None
+
+
+def openai_message(turn: Turn) -> Message:
+    """The Turn as the server's assistant message."""
+    return Message(turn.text, turn.reasoning, turn.tool_calls, turn.tool_call_error)
+
+
+# ----- the Python API ----------------------------------------------------------------------
+
+
+def chat_stream(engine, messages: list[dict], *, tools=None, tool_choice=None, max_tokens=None,
+                temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                seed=None, stop=None, enable_thinking=None, preserve_thinking=None,
+                max_exchanges=None, context_window=None, warm=True) -> Iterator[str | Turn]:  # fmt: skip
+    """`Engine.chat_stream`: everything is checked here, before the generator is made."""
+    if max_exchanges is not None and (isinstance(max_exchanges, bool)
+                                      or not isinstance(max_exchanges, int) or max_exchanges < 0):  # fmt: skip
+        raise ChatError(f"max_exchanges must be an integer >= 0 or None, got {max_exchanges!r}",
+                        "max_exchanges", "invalid_value")  # fmt: skip
+    if context_window is not None and (isinstance(context_window, bool)
+                                       or not isinstance(context_window, int) or context_window < 1):  # fmt: skip
+        raise ChatError(f"context_window must be an integer >= 1 or None, got {context_window!r}",
+                        "context_window", "invalid_value")  # fmt: skip
+    kwargs = {"enable_thinking": enable_thinking, "preserve_thinking": preserve_thinking}
+    body = {
+        "messages": messages, "tools": tools, "tool_choice": tool_choice,
+        "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+        "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed, "stop": stop,
+        "chat_template_kwargs": {k: v for k, v in kwargs.items() if v is not None},
+    }  # fmt: skip
+    chat = engine.stateless
+    try:
+        request = parse_request({k: v for k, v in body.items() if v is not None})
+        prepared = chat.prepare(request, window=context_window, max_exchanges=max_exchanges)
+    except ApiError as e:
+        raise ChatError(e.message, e.param, e.code) from None
+    return chat.stream(prepared, warm=warm)
+
+
+def last(stream: Iterator):
+    """Run a stream to the end; its last item is the Turn."""
+    return deque(stream, maxlen=1)[0]

@@ -1,0 +1,212 @@
+"""`Engine.chat(messages)`: the stateless API, the server's implementation and its reuse.
+
+References: a fresh full prefill of the turn's prompt ids (`fresh_greedy`), a `Session` fed
+the same history, the HTTP server on another engine for the same requests, and reuse points
+computed from the prompts' own boundaries (`expected_reuse`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from helpers import QUESTIONS, fresh_greedy
+
+import engine
+from engine.serving.completion import parse_request
+from engine.serving.server import BackgroundServer, ServerConfig
+
+MAX_TOKENS = 4
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}}]  # fmt: skip
+CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+]}  # fmt: skip
+RESULT = '{"temp_c": 21}'
+
+
+def expected_reuse(previous: list[int], points: set[int], ids: list[int]) -> int:
+    """The deepest of a previous prompt's snapshot `points` within the common prefix (the last
+    token of `ids` is always recomputed: its logits start the answer)."""
+    common = 0
+    while common < min(len(previous), len(ids)) and previous[common] == ids[common]:
+        common += 1
+    return max((p for p in points if p <= min(common, len(ids) - 1)), default=0)
+
+
+@pytest.mark.parametrize("variant", ["plain", "thinking", "tools", "window"])
+def test_ten_turns_resent_in_full_equal_server_session_and_fresh_prefill(variant):
+    options = {}  # the same for Engine.chat and the Session
+    if variant == "thinking":
+        options = {"enable_thinking": True}
+    elif variant == "tools":
+        options = {"tools": TOOLS}
+    elif variant == "window":
+        options = {"max_exchanges": 2}
+    session_options = {"max_exchanges": 100, **options}  # the stateless default keeps all
+    eng, other = engine.load("tiny"), engine.load("tiny")  # fresh pools: equal starting points
+    session = other.session("You answer briefly.", **session_options)
+    messages = [{"role": "system", "content": "You answer briefly."}]
+    body = {"max_tokens": MAX_TOKENS, "temperature": 0}
+    if variant == "thinking":
+        body["chat_template_kwargs"] = {"enable_thinking": True}
+    if variant == "tools":
+        body["tools"] = TOOLS
+    server = None
+    if variant != "window":  # the server never trims: it gets the same requests otherwise
+        server = BackgroundServer(other, ServerConfig(port=0, warm=False)).start()
+    try:
+        for i, q in enumerate(QUESTIONS[:10]):
+            user = {"role": "user", "content": q}
+            if variant == "tools" and i == 4:  # the client's history says the model called
+                messages += [user, CALL, {"role": "tool", "content": RESULT}]
+                session.pending = [user, CALL]
+                alone = session.send_tool_results([RESULT], max_tokens=MAX_TOKENS)
+            else:
+                messages.append(user)
+                alone = session.send(q, max_tokens=MAX_TOKENS)
+            turn = eng.chat(messages, max_tokens=MAX_TOKENS, warm=False, **options)
+            assert turn.prompt_ids == alone.prompt_ids
+            assert turn.token_ids == alone.token_ids
+            assert turn.token_ids == fresh_greedy(eng, turn.prompt_ids, MAX_TOKENS)[0]
+            assert turn.stats.prompt_tokens == len(turn.prompt_ids)
+            assert turn.stats.reused_tokens + turn.stats.prefilled_tokens == len(turn.prompt_ids)
+            if i:
+                assert turn.stats.reused_tokens > 0
+            if server is not None:
+                r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                               json={"messages": messages, **body}).json()  # fmt: skip
+                assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == (
+                    turn.stats.reused_tokens
+                )
+                assert r["usage"]["prompt_tokens"] == turn.stats.prompt_tokens
+                assert r["choices"][0]["message"]["content"] == turn.text
+            if variant == "window":
+                assert turn.stats.dropped_exchanges == max(0, i - 2)
+            messages.append(turn.message())
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def test_interleaved_conversations_and_a_branch_reuse_what_they_share_and_no_more():
+    eng = engine.load("tiny")
+
+    def boundaries(messages):
+        return eng.stateless.renderer.render(parse_request({"messages": messages})).boundaries
+
+    system = {"role": "system", "content": "Shared system prompt."}
+    a, b = [system], [system]
+    seen: list[tuple[list[int], set[int]]] = []  # every prompt sent, with its snapshot points
+
+    def send(messages):
+        bs = boundaries(messages)
+        turn = eng.chat(messages, max_tokens=MAX_TOKENS, warm=False)
+        assert turn.token_ids == fresh_greedy(eng, turn.prompt_ids, MAX_TOKENS)[0]
+        best = max((expected_reuse(p, pts, turn.prompt_ids) for p, pts in seen), default=0)
+        assert turn.stats.reused_tokens == best  # what is shared, nothing more
+        seen.append((turn.prompt_ids, bs.points() | {len(turn.prompt_ids)}))
+        return turn, bs
+
+    a_generation_start = 0
+    for k in range(3):
+        a.append({"role": "user", "content": QUESTIONS[k]})
+        turn, bs = send(a)
+        assert turn.stats.reused_tokens == a_generation_start  # all but A's last answer
+        a_generation_start = bs.generation_start
+        a.append(turn.message())
+        b.append({"role": "user", "content": QUESTIONS[k + 5]})
+        turn, bs = send(b)
+        if k == 0:
+            assert turn.stats.reused_tokens == bs.system_end  # the shared system block only
+        b.append(turn.message())
+    # A branch: A's second question edited. It shares A up to that message, no further.
+    branch = a[:3] + [{"role": "user", "content": "An edited second question."}]
+    turn, bs = send(branch)
+    assert turn.stats.reused_tokens == bs.message_starts[-1]  # up to the edited message
+    # A goes on where it was: the branch took another sequence, not A's.
+    a.append({"role": "user", "content": QUESTIONS[8]})
+    turn, _ = send(a)
+    assert turn.stats.reused_tokens == a_generation_start
+
+
+def test_the_engine_byte_budget_holds_for_the_pool():
+    eng = engine.load("tiny", cache_bytes=2_500_000)
+    conversations = [[{"role": "system", "content": f"Conversation {k}."}] for k in range(4)]
+    for i in range(3):
+        for k, messages in enumerate(conversations):
+            messages.append({"role": "user", "content": QUESTIONS[(i + k) % len(QUESTIONS)]})
+            turn = eng.chat(messages, max_tokens=MAX_TOKENS, warm=False)
+            assert turn.token_ids == fresh_greedy(eng, turn.prompt_ids, MAX_TOKENS)[0]
+            # Between calls nothing is exempt: every sequence and snapshot fits the budget.
+            assert eng.budget.used() <= eng.budget.max_bytes
+            messages.append(turn.message())
+    assert eng.budget.evictions > 0
+
+
+def test_threads_chatting_at_once_get_the_answers_they_get_alone(tiny):
+    conversations = [
+        [{"role": "system", "content": f"Thread {k}."}, {"role": "user", "content": q}]
+        for k, q in enumerate(QUESTIONS[:4])
+    ]
+    alone = [tiny.chat(m, max_tokens=MAX_TOKENS).token_ids for m in conversations]
+    results, errors = {}, []
+    barrier = threading.Barrier(len(conversations))
+
+    def run(k):
+        try:
+            barrier.wait(60)
+            *pieces, turn = tiny.chat_stream(conversations[k], max_tokens=MAX_TOKENS)
+            assert "".join(pieces).strip() == turn.text
+            results[k] = turn.token_ids
+        except BaseException as e:  # reported below, on the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(conversations))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert [results[k] for k in range(len(conversations))] == alone
+
+
+def test_bad_input_raises_chat_error_naming_it_before_any_work(tiny):
+    ok = [{"role": "user", "content": "hi"}]
+    cases = [
+        ([{"role": "user", "content": ""}], {}, "messages[0].content"),
+        ([], {}, "messages"),
+        (ok, {"temperature": 3}, "temperature"),
+        (ok, {"tool_choice": "required"}, "tool_choice"),
+        (ok, {"max_tokens": 0}, "max_tokens"),
+        (ok, {"max_tokens": 10, "context_window": 20}, "max_tokens"),  # 13 + 10 > 20
+        (ok, {"max_exchanges": -1}, "max_exchanges"),
+    ]
+    for messages, options, param in cases:
+        with pytest.raises(engine.ChatError) as e:
+            tiny.chat_stream(messages, **options)  # raises at the call, not at the first next
+        assert e.value.param == param, (options, e.value)
+    long = [{"role": "user", "content": "word " * 400}]
+    with pytest.raises(engine.ChatError, match="maximum context length is 100 tokens"):
+        tiny.chat(long, context_window=100)
+    with pytest.raises(ValueError, match="context window 100 minus 8 tokens reserved"):
+        tiny.chat(long, context_window=100, max_exchanges=6, max_tokens=8)
+
+
+def test_stop_strings_cut_the_streamed_text_and_closing_early_keeps_a_valid_pool(tiny):
+    messages = [{"role": "user", "content": "Say something long."}]
+    full = tiny.chat(messages, max_tokens=12, warm=False)
+    raw = tiny.tokenizer.decode(full.token_ids)
+    stop = raw.strip()[3:5]
+    *pieces, cut = tiny.chat_stream(messages, max_tokens=12, stop=stop, warm=False)
+    assert stop not in "".join(pieces)
+    assert "".join(pieces).strip() == cut.text and cut.finish_reason == "stop"
+    assert raw.startswith("".join(pieces))
+    stream = tiny.chat_stream(messages, max_tokens=50, warm=False)
+    next(stream)
+    stream.close()  # stops at the next token
+    again = tiny.chat(messages, max_tokens=12, warm=False)
+    assert again.token_ids == full.token_ids and again.stats.reused_tokens > 0

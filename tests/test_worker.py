@@ -1,0 +1,229 @@
+"""The engine's one model-owner thread: every MLX computation runs there, whoever asks.
+
+References: a session used alone on the main thread (for answers), and thread counts taken
+before the work (for leaks).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from helpers import QUESTIONS, fresh_greedy
+
+import engine
+from engine.runtime.worker import Job, ModelThread, WorkerStopped
+
+MAX_TOKENS = 4
+
+
+def os_threads() -> int:
+    """Threads of this process as the OS sees them (MLX stream threads included)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux: Python's count is the best there is
+        return threading.active_count()
+
+
+# ----- the thread itself (no model) ---------------------------------------------------------
+
+
+def test_call_returns_values_and_reraises_errors_on_the_caller():
+    worker = ModelThread(threading.RLock())
+    try:
+        assert worker.call(lambda: threading.current_thread().name) == "chatml-model"
+        with pytest.raises(ZeroDivisionError):
+            worker.call(lambda: 1 / 0)
+        assert worker.call(lambda: 2 + 2) == 4  # an error does not kill the thread
+    finally:
+        worker.stop()
+
+
+def test_closing_a_stream_runs_its_cleanup_there_before_returning():
+    worker = ModelThread(threading.RLock())
+    log = []
+
+    def gen():
+        try:
+            for i in range(100):
+                log.append(("step", i, threading.current_thread().name))
+                yield i
+            return "end"
+        finally:
+            log.append(("cleanup", threading.current_thread().name))
+
+    try:
+        stream = worker.iterate(gen)
+        assert [next(stream), next(stream)] == [0, 1]
+        stream.close()
+        # The generator ran only as far as the consumer asked, and its cleanup is done.
+        assert log[-1] == ("cleanup", "chatml-model") and len(log) == 3
+        assert all(entry[-1] == "chatml-model" for entry in log)
+        whole = worker.iterate(lambda: (x for x in [1, 2]))
+        assert list(whole) == [1, 2]
+    finally:
+        worker.stop()
+
+
+def test_other_work_from_a_thread_with_an_open_stream_is_refused_not_deadlocked():
+    worker = ModelThread(threading.RLock())
+    try:
+        stream = worker.iterate(lambda: iter(range(3)))
+        next(stream)
+        with pytest.raises(RuntimeError, match="unfinished stream"):
+            worker.call(lambda: 1)
+        assert list(stream) == [1, 2]
+        assert worker.call(lambda: 1) == 1  # free again once the stream is done
+    finally:
+        worker.stop()
+
+
+def test_background_job_yields_to_queued_work_and_stopped_jobs_fail_clearly():
+    worker = ModelThread(threading.RLock())
+    started, checks = threading.Event(), []
+
+    def background(job):
+        started.set()
+        while not worker.should_yield():  # idle-time work: stops when anything else queues
+            checks.append(1)
+            started.wait(0.001)
+        return "yielded"
+
+    bg = worker.submit(Job(background, background=True))
+    assert started.wait(30)
+    assert worker.call(lambda: "foreground") == "foreground"
+    assert bg.wait(30) and bg.outcome() == "yielded"
+    worker.stop()
+    with pytest.raises(WorkerStopped):
+        worker.call(lambda: 1)
+
+
+# ----- sessions on one engine ---------------------------------------------------------------
+
+
+def test_fifty_warm_ups_leave_no_thread_behind(tiny):
+    s = tiny.session("sys")
+    s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    s.warm_in_background().wait(60)  # the first one may start MLX's own threads
+    s.send(QUESTIONS[1], max_tokens=MAX_TOKENS)
+    python_before, os_before = threading.active_count(), os_threads()
+    for i in range(50):
+        job = s.warm_in_background()
+        if i % 2:
+            s.stop_warm()  # cancelled at once or at its next chunk
+        else:
+            assert job.wait(60)
+        s.warm()
+    assert threading.active_count() == python_before
+    assert os_threads() <= os_before
+    turn = s.send(QUESTIONS[2], max_tokens=MAX_TOKENS)
+    assert turn.token_ids == fresh_greedy(tiny, turn.prompt_ids, MAX_TOKENS)[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_turns_warm_ups_and_saves_from_different_threads(tmp_path, dtype):
+    from engine.storage.store import SessionStore
+
+    eng = tiny_engine(dtype)
+    store = SessionStore(tmp_path)
+    stored = store.open("threads", eng, system="sys")
+    s = stored.session
+    alone = eng.session("sys")
+
+    def on_thread(fn):
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("v", fn()))
+        t.start()
+        t.join(120)
+        assert not t.is_alive()
+        return out["v"]
+
+    for q in QUESTIONS[:3]:
+        turn = on_thread(lambda q=q: s.send(q, max_tokens=MAX_TOKENS))  # generate on one
+        stored.append_turn(turn)
+        assert on_thread(stored.save_state)  # capture for the disk on another
+        on_thread(s.warm)  # extend on a third
+        assert turn.token_ids == alone.send(q, max_tokens=MAX_TOKENS).token_ids
+    stored.close()
+    with store.open("threads", eng) as again:
+        assert again.state_loaded
+        nxt = again.session.send(QUESTIONS[3], max_tokens=MAX_TOKENS)
+    assert nxt.token_ids == alone.send(QUESTIONS[3], max_tokens=MAX_TOKENS).token_ids
+    assert nxt.stats.reused_tokens > 0
+
+
+_ENGINES: dict[str, engine.Engine] = {}
+
+
+def tiny_engine(dtype: str) -> engine.Engine:
+    if dtype not in _ENGINES:
+        _ENGINES[dtype] = engine.load("tiny", dtype=dtype)
+    return _ENGINES[dtype]
+
+
+def test_sessions_used_from_many_threads_at_once_answer_as_alone(tiny):
+    systems = ["A", "B", "C", "D"]
+    alone = {}
+    for system in systems:
+        s = tiny.session(system)
+        alone[system] = [s.send(q, max_tokens=MAX_TOKENS).token_ids for q in QUESTIONS[:3]]
+    results, errors = {}, []
+    barrier = threading.Barrier(len(systems))
+
+    def run(system):
+        try:
+            s = tiny.session(system)
+            barrier.wait(60)
+            out = []
+            for q in QUESTIONS[:3]:
+                *pieces, turn = s.stream(q, max_tokens=MAX_TOKENS)
+                assert "".join(pieces).strip() == turn.text
+                out.append(turn.token_ids)
+                s.warm_in_background()
+            s.stop_warm()
+            results[system] = out
+        except BaseException as e:  # reported below, on the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(system,)) for system in systems]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert results == alone
+
+
+def test_ctrl_c_while_waiting_for_the_next_piece_leaves_no_trace(tiny, monkeypatch):
+    import signal
+
+    from engine.runtime.sampling import Sampler
+
+    s = tiny.session("sys")
+    s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    history, tokens = [list(e) for e in s.history], list(s.tokens)
+    main = threading.main_thread().ident
+
+    class Interrupting(Sampler):
+        """Sends SIGINT to the main thread from the model thread, mid-answer."""
+
+        calls = 0
+
+        def __call__(self, logits, recent):
+            Interrupting.calls += 1
+            if Interrupting.calls == 3:
+                signal.pthread_kill(main, signal.SIGINT)
+            return super().__call__(logits, recent)
+
+    monkeypatch.setattr("engine.session.Sampler", Interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in s.stream(QUESTIONS[1], max_tokens=40, ignore_eos=True):
+            pass
+    monkeypatch.undo()
+    assert Interrupting.calls >= 3
+    # The turn was rolled back on the model thread before the interrupt reached us.
+    assert s.history == history
+    assert tokens[: len(s.tokens)] == s.tokens
+    turn = s.send(QUESTIONS[1], max_tokens=MAX_TOKENS)
+    assert turn.token_ids == fresh_greedy(tiny, turn.prompt_ids, MAX_TOKENS)[0]
