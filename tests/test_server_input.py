@@ -375,7 +375,9 @@ def test_fields_that_were_silently_ignored_are_a_400(server, fields, param):
 def test_text_that_cannot_fit_is_refused_before_tokenizing(tiny, monkeypatch):
     renderer = Renderer(tiny, WINDOW)
     calls = []
-    monkeypatch.setattr(tiny.tokenizer, "encode", lambda text: calls.append(text) or [1])
+    monkeypatch.setattr(
+        tiny.tokenizer, "encode", lambda text, spans=None: calls.append(text) or [1]
+    )
     big = "word " * (WINDOW * renderer.max_token_bytes // 5 + 10)
     for messages in (
         [{"role": "user", "content": big}],
@@ -403,11 +405,11 @@ def test_a_small_request_is_answered_while_a_large_one_is_tokenized(tiny):
     encode = tiny.tokenizer.encode
     large_text = "large request " * 2000
 
-    def gated(text):
+    def gated(text, spans=None):
         if "large request" in text:
             large_in.set()
             assert small_done.wait(120), "the small request never finished"
-        return encode(text)
+        return encode(text, spans)
 
     with BackgroundServer(tiny, config) as srv:
         srv.app.renderer.engine = _EncodeOverride(tiny, gated)
@@ -604,7 +606,7 @@ def test_warm_up_after_two_tool_calls_prepares_up_to_their_results(tiny, monkeyp
     check now insists on), and prepares everything before the first result."""
     call = "<tool_call>\n<function=f>\n<parameter=x>\n{}\n</parameter>\n</function>\n</tool_call>"
     text = call.format(1) + "\n" + call.format(2)
-    monkeypatch.setattr("engine.serving.worker.Sampler", lambda p: _Scripted(tiny, text))
+    monkeypatch.setattr("engine.stateless.Sampler", lambda p: _Scripted(tiny, text))
     config = ServerConfig(port=0, context_window=WINDOW, warm=True)
     with BackgroundServer(tiny, config) as srv:
         worker = srv.app.worker

@@ -389,7 +389,9 @@ def test_server_default_and_parse_option(tiny, tok, hf, mode):
     config = ServerConfig(port=0, context_window=4096, warm=False)
     if mode == "parse":
         config.special_tokens_in_content = "parse"
-    expected = Renderer(tiny, mode).render(parse_request({"messages": SERVER_MESSAGES}))
+    expected = Renderer(tiny, special_tokens_in_content=mode).render(
+        parse_request({"messages": SERVER_MESSAGES})
+    )
     with BackgroundServer(tiny, config) as srv:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
         r = c.chat.completions.create(model="tiny", messages=SERVER_MESSAGES,
@@ -401,7 +403,9 @@ def test_server_default_and_parse_option(tiny, tok, hf, mode):
     assert text == render_messages(SERVER_MESSAGES, variant=tiny.entry.template)  # exact text
     if mode == "text":
         clean = deep_fill(tok, SERVER_MESSAGES)
-        reference = Renderer(tiny, mode).render(parse_request({"messages": clean}))
+        reference = Renderer(tiny, special_tokens_in_content=mode).render(
+            parse_request({"messages": clean})
+        )
         assert control_offsets(tok, expected.ids) == markup_offsets(tok, reference.text)
     else:
         assert expected.ids == hf(text, add_special_tokens=False)["input_ids"]
@@ -437,8 +441,16 @@ def test_serve_flag_reaches_the_renderer(tiny, monkeypatch):
     from engine.cli import build_parser
 
     apps = []
+
+    class Served:  # stands in for uvicorn's server: keeps the app, serves nothing
+        def __init__(self, config):
+            apps.append(config.app)
+
+        def run(self, sockets):
+            pass
+
     monkeypatch.setattr(engine, "load", lambda *a, **k: tiny)
-    monkeypatch.setattr(server.uvicorn, "run", lambda app, **kw: apps.append(app))
+    monkeypatch.setattr(server.uvicorn, "Server", Served)
     for argv, text_spans in ((["serve"], True), (["serve", "--parse-special-in-content"], False)):
         args = build_parser().parse_args([*argv, "--port", "0"])
         assert server.run(args) == 0

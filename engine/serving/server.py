@@ -155,7 +155,9 @@ class ServerApp:
         self.config = config
         self.window = config.context_window or engine.entry.context_window
         self.sampling = engine.sampling_defaults if config.sampling is None else config.sampling
-        self.renderer = Renderer(engine, self.window, config.special_tokens_in_content)
+        self.renderer = Renderer(
+            engine, self.window, special_tokens_in_content=config.special_tokens_in_content
+        )
         self.worker = engine.stateless  # runs every request on the engine's model thread
         self.jobs: set[Job] = set()  # this server's requests not yet finished
         routes = [
