@@ -30,20 +30,32 @@ class SegmentCache:
         With `spans` (where message text sits in `text`), `encode(text, spans)` is called.
         """
         key = text if spans is None else (text, spans)
+        ids = self._lookup(key)
+        if ids is None:
+            ids = self._encode(encode, text, spans)
+            self._store(key, ids)
+        return ids
+
+    @staticmethod
+    def _encode(encode: Callable[..., list[int]], text: str, spans: tuple | None):
+        if not text:
+            return ()
+        return tuple(encode(text) if spans is None else encode(text, spans))
+
+    def _lookup(self, key: Hashable) -> tuple[int, ...] | None:
         ids = self._data.get(key)
-        if ids is not None:
+        if ids is None:
+            self.misses += 1
+        else:
             self.hits += 1
             self._data.move_to_end(key)
-            return ids
-        self.misses += 1
-        if not text:
-            ids = ()
-        else:
-            ids = tuple(encode(text) if spans is None else encode(text, spans))
+        return ids
+
+    def _store(self, key: Hashable, ids: tuple[int, ...]) -> None:
         self._data[key] = ids
+        self._data.move_to_end(key)
         if len(self._data) > self.maxsize:
             self._data.popitem(last=False)
-        return ids
 
     def __len__(self) -> int:
         return len(self._data)

@@ -258,22 +258,17 @@ class SharedSegmentCache(SegmentCache):
         super().__init__(maxsize)
         self._lock = threading.Lock()
 
-    def encode(self, encode, text: str, spans: tuple | None = None) -> tuple[int, ...]:
-        key = text if spans is None else (text, spans)
+    @staticmethod
+    def _encode(encode, text: str, spans: tuple | None) -> tuple[int, ...]:
+        return tuple(encode_in_pieces(encode, text, spans=spans)) if text else ()
+
+    def _lookup(self, key):
         with self._lock:
-            ids = self._data.get(key)
-            if ids is not None:
-                self.hits += 1
-                self._data.move_to_end(key)
-                return ids
-            self.misses += 1
-        ids = tuple(encode_in_pieces(encode, text, spans=spans)) if text else ()
+            return super()._lookup(key)
+
+    def _store(self, key, ids: tuple[int, ...]) -> None:
         with self._lock:
-            self._data[key] = ids
-            self._data.move_to_end(key)
-            if len(self._data) > self.maxsize:
-                self._data.popitem(last=False)
-        return ids
+            super()._store(key, ids)
 
 
 def _verbatim_bytes(messages: Sequence[Mapping]) -> int:
