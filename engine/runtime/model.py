@@ -113,6 +113,32 @@ class GatedDeltaNet(nn.Module):
         y = (nn.silu(z.astype(mx.float32)) * y.astype(mx.float32)).astype(x.dtype)
         return self.out_proj(y.reshape(B, T, -1))
 
+    def decode(self, x: mx.array, tail: mx.array, state: mx.array):
+        """One token `x [B, 1, H]` from (conv tail, state): the same math as `__call__`, as a
+        pure function for `mx.compile`; returns (output, new tail, new state)."""
+        B = x.shape[0]
+        f32 = mx.float32
+        qkv = self.in_proj_qkv(x)  # [B, 1, C]
+        window = mx.concatenate([tail, qkv], axis=1)  # [B, K, C]
+        conv = (window.astype(f32) * self.conv_weight.T.astype(f32)).sum(axis=1, keepdims=True)
+        conv = nn.silu(conv.astype(qkv.dtype))
+        kd = self.hk * self.dk
+        q = conv[..., :kd].reshape(B, 1, self.hk, self.dk)
+        k = conv[..., kd : 2 * kd].reshape(B, 1, self.hk, self.dk)
+        v = conv[..., 2 * kd :].reshape(B, 1, self.hv, self.dv)
+        inv = self.dk**-0.5
+        q = (inv * inv) * mx.fast.rms_norm(q, None, 1e-6 * inv * inv)
+        k = inv * mx.fast.rms_norm(k, None, 1e-6 * inv * inv)
+        a = self.in_proj_a(x)
+        beta = mx.sigmoid(self.in_proj_b(x))
+        g = mx.exp(-mx.exp(self.A_log.astype(f32)) * nn.softplus(a + self.dt_bias))
+        method = "auto" if self.options.chunked_delta else "sequential"
+        y, state = gated_delta(q, k, v, g, beta, state, method=method)
+        z = self.in_proj_z(x).reshape(B, 1, self.hv, self.dv)
+        y = _rms_norm(y, self.norm.weight, self.eps)
+        y = (nn.silu(z.astype(f32)) * y.astype(f32)).astype(x.dtype)
+        return self.out_proj(y.reshape(B, 1, -1)), mx.contiguous(window[:, 1:]), state
+
     def _delta(self, q, k, v, g, beta, state, start: int, end: int):
         """The gated delta rule over positions [start, end) of the chunk."""
         seg = slice(start, end)
@@ -144,6 +170,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.d, a.rms_norm_eps)
 
     def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+        q, k, v, gate = self.project(x, cache.offset)
+        return self.output(self.attend(q, k, v, cache), gate)
+
+    def project(self, x: mx.array, offset: int | mx.array):
+        """q `[B, Hq, T, D]`, k and v `[B, Hkv, T, D]` at positions from `offset`, and the
+        output gate `[B, T, Hq*D]`."""
         B, T, _ = x.shape
         q, gate = mx.split(self.q_proj(x).reshape(B, T, self.nq, 2 * self.d), 2, axis=-1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)  # [B, Hq, T, D]
@@ -151,17 +183,24 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(B, T, self.nkv, self.d).transpose(0, 2, 1, 3)
         # Text-only positions are equal in all three M-RoPE sections: plain RoPE on `rotary` dims.
         q = mx.fast.rope(
-            q, self.rotary, traditional=False, base=self.theta, scale=1.0, offset=cache.offset
+            q, self.rotary, traditional=False, base=self.theta, scale=1.0, offset=offset
         )
         k = mx.fast.rope(
-            k, self.rotary, traditional=False, base=self.theta, scale=1.0, offset=cache.offset
+            k, self.rotary, traditional=False, base=self.theta, scale=1.0, offset=offset
         )
+        return q, k, v, gate.reshape(B, T, -1)
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache) -> mx.array:
+        """Append k, v to the cache and attend; returns `[B, T, Hq*D]`."""
+        B, _, T, _ = q.shape
         k, v = cache.update(k, v)
         y = mx.fast.scaled_dot_product_attention(
             q, k, v, scale=self.d**-0.5, mask="causal" if T > 1 else None
         )
-        y = y.transpose(0, 2, 1, 3).reshape(B, T, -1)
-        return self.o_proj(y * mx.sigmoid(gate.reshape(B, T, -1)))
+        return y.transpose(0, 2, 1, 3).reshape(B, T, -1)
+
+    def output(self, y: mx.array, gate: mx.array) -> mx.array:
+        return self.o_proj(y * mx.sigmoid(gate))
 
 
 class MLP(nn.Module):
@@ -210,10 +249,50 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = SparseMoE(a) if a.is_moe else MLP(a.hidden_size, a.intermediate_size)
+        self._steps = None  # the compiled decode step, made at first use (see _decode)
 
     def __call__(self, x: mx.array, cache) -> mx.array:
+        if x.shape[1] == 1 and cache.offset and not getattr(cache, "capture", None):
+            return self._decode(x, cache)
         mixer = self.linear_attn if self.is_linear else self.self_attn
         h = x + mixer(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _decode(self, x: mx.array, cache) -> mx.array:
+        """One token through the layer, traced once and replayed by `mx.compile`: a decode
+        step is hundreds of small ops, each costing microseconds to build in Python and to
+        dispatch; compiled, elementwise chains fuse and no Python runs per op. The same math
+        as `__call__`. A Gated DeltaNet layer compiles whole; an attention layer in two parts
+        around its cache update and attention, whose shapes grow with every token. The
+        layer's weights are the compiled functions' implicit inputs, so new weights need no
+        recompilation."""
+        if self._steps is None:
+            if self.is_linear:
+                self._steps = (mx.compile(self._linear_step, inputs=self),)
+            else:
+                self._steps = (
+                    mx.compile(self._attention_in, inputs=self),
+                    mx.compile(self._attention_out, inputs=self),
+                )
+        if self.is_linear:
+            h, conv, state = self._steps[0](x, cache.conv, cache.state)
+            cache.update(conv, state, 1)
+            return h
+        attention_in, attention_out = self._steps
+        q, k, v, gate = attention_in(x, mx.array(cache.offset))
+        return attention_out(x, self.self_attn.attend(q, k, v, cache), gate)
+
+    def _linear_step(self, x: mx.array, tail: mx.array, state: mx.array):
+        y, tail, state = self.linear_attn.decode(self.input_layernorm(x), tail, state)
+        return self._mlp_residual(x + y), tail, state
+
+    def _attention_in(self, x: mx.array, offset: mx.array):
+        return self.self_attn.project(self.input_layernorm(x), offset)
+
+    def _attention_out(self, x: mx.array, y: mx.array, gate: mx.array) -> mx.array:
+        return self._mlp_residual(x + self.self_attn.output(y, gate))
+
+    def _mlp_residual(self, h: mx.array) -> mx.array:
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
