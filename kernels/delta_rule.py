@@ -48,6 +48,7 @@ def gated_delta(
       - "chunked": this module's chunked algorithm (triangular inverse by LAPACK on the CPU,
         by matmul-only blocked forward substitution on a GPU, see ``unit_lower_inverse``).
       - "sequential": ``mx.fast.gated_delta_update`` (one step at a time).
+      - "step": one token (T = 1) as a few broadcast ops, the decode path on the CPU and CUDA.
       - "mlx_lm": mlx-lm's Metal kernel (Metal only).
       - "auto": ``kernels.choice.choose`` for the default device, this head shape and T.
     ``inverse``: how the chunked path inverts its triangular matrices ("auto", "lapack" or
@@ -64,6 +65,10 @@ def gated_delta(
         # asked only where it matters: decode steps skip the BLAS lookup
         fast = device != "cpu" or T < MIN_CHUNKED_T or _fast_matmul()
         method = choose(device, Hk, Hv, Dk, Dv, T, fast_matmul=fast)
+    if method == "step":
+        if T != 1:
+            raise ValueError(f"method 'step' takes one token, got T={T}")
+        return _step(q, k, v, g, beta, state)
     if method == "sequential":
         # mx.fast casts every input to q's dtype: float32 q, k keep g (and so the decay) in
         # float32 as mlx-lm's kernels do; in bfloat16 a rounded g near 1 costs ~10x the error.
@@ -80,6 +85,24 @@ def gated_delta(
     if method != "chunked":
         raise ValueError(f"unknown method {method!r}")
     return _chunked(q, k, v, g, beta, state, inverse)
+
+
+def _step(q, k, v, g, beta, state) -> tuple[mx.array, mx.array]:
+    """One token of the recurrence as a handful of broadcast ops (float32): what
+    ``mx.fast.gated_delta_update`` does for T = 1 on the CPU and CUDA, in about a third of the
+    graph nodes (each node costs microseconds to dispatch; fused under ``mx.compile``). Value
+    heads are grouped under their key head ([B, Hk, r, ...]) instead of repeating q and k."""
+    f32 = mx.float32
+    B, _, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    r = Hv // Hk
+    S = state.astype(f32).reshape(B, Hk, r, Dv, Dk) * g.astype(f32).reshape(B, Hk, r, 1, 1)
+    k = k.astype(f32).reshape(B, Hk, 1, 1, Dk)
+    kv = (S * k).sum(axis=-1)  # [B, Hk, r, Dv]
+    delta = (v.astype(f32).reshape(B, Hk, r, Dv) - kv) * beta.astype(f32).reshape(B, Hk, r, 1)
+    S = S + delta[..., None] * k
+    y = (S * q.astype(f32).reshape(B, Hk, 1, 1, Dk)).sum(axis=-1)
+    return y.reshape(B, 1, Hv, Dv).astype(q.dtype), S.reshape(B, Hv, Dv, Dk)
 
 
 def _fast_matmul() -> bool:

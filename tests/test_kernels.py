@@ -54,6 +54,18 @@ def assert_close(inputs: list, **kwargs) -> None:
     assert err_s <= TOL * max(np.abs(s_ref).max(), 1e-30), err_s
 
 
+@pytest.mark.parametrize("Hk, Hv", [(2, 2), (2, 4), (4, 8)])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_one_token_step_matches_reference(Hk: int, Hv: int, with_state: bool) -> None:
+    inputs = make_inputs(1, B=2, Hk=Hk, Hv=Hv, with_state=with_state, seed=Hv)
+    assert_close(inputs, method="step")
+
+
+def test_one_token_step_refuses_longer_input() -> None:
+    with pytest.raises(ValueError, match="one token"):
+        gated_delta(*make_inputs(2), method="step")
+
+
 @pytest.mark.parametrize("T", [1, 2, 63, 64, 65, 1000, 4096])
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("Hv", [2, 4])
@@ -142,12 +154,14 @@ def test_kernel_choice_per_device(model: str) -> None:
 
     heads = HEADS[model]
     for t in (1, 7, 16, 64, 512):
-        # CPU: chunked for prefill once matmuls are fast; sequential mx.fast otherwise.
-        assert choose("cpu", *heads, t) == ("chunked" if t >= MIN_CHUNKED_T else "sequential")
-        assert choose("cpu", *heads, t, fast_matmul=False) == "sequential"
+        # CPU: one decode token as a few broadcast ops; chunked for prefill once matmuls are
+        # fast; sequential mx.fast otherwise.
+        cpu = "chunked" if t >= MIN_CHUNKED_T else "sequential"
+        assert choose("cpu", *heads, t) == ("step" if t == 1 else cpu)
+        assert choose("cpu", *heads, t, fast_matmul=False) == ("step" if t == 1 else "sequential")
         # CUDA: mx.fast is T steps of small ops there, so prefill goes chunked.
         cuda = "chunked" if t >= MIN_CHUNKED_T_CUDA else "sequential"
-        assert choose("cuda", *heads, t) == cuda
+        assert choose("cuda", *heads, t) == ("step" if t == 1 else cuda)
         # Metal: mlx-lm's own kernel, as mlx-lm runs it, for every Qwen3.5 head shape.
         assert choose("metal", *heads, t) == "mlx_lm"
 
