@@ -10,6 +10,7 @@ conv weight is `[C, K]`; `sanitize` maps the Hub layout onto it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -114,13 +115,14 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(y.reshape(B, T, -1))
 
     def decode(self, x: mx.array, tail: mx.array, state: mx.array):
-        """One token `x [B, 1, H]` from (conv tail, state): the same math as `__call__`, as a
-        pure function for `mx.compile`; returns (output, new tail, new state)."""
+        """One token `x [B, H]` (2-D: matmuls need no reshapes) from (conv tail, state): the
+        same math as `__call__`, as a pure function for `mx.compile`; returns (output `[B, H]`,
+        new tail, new state)."""
         B = x.shape[0]
         f32 = mx.float32
-        qkv = self.in_proj_qkv(x)  # [B, 1, C]
-        window = mx.concatenate([tail, qkv], axis=1)  # [B, K, C]
-        conv = (window.astype(f32) * self.conv_weight.T.astype(f32)).sum(axis=1, keepdims=True)
+        qkv = self.in_proj_qkv(x)  # [B, C]
+        window = mx.concatenate([tail, qkv[:, None]], axis=1)  # [B, K, C]
+        conv = (window.astype(f32) * self.conv_weight.T.astype(f32)).sum(axis=1)
         conv = nn.silu(conv.astype(qkv.dtype))
         kd = self.hk * self.dk
         q = conv[..., :kd].reshape(B, 1, self.hk, self.dk)
@@ -129,15 +131,15 @@ class GatedDeltaNet(nn.Module):
         inv = self.dk**-0.5
         q = (inv * inv) * mx.fast.rms_norm(q, None, 1e-6 * inv * inv)
         k = inv * mx.fast.rms_norm(k, None, 1e-6 * inv * inv)
-        a = self.in_proj_a(x)
-        beta = mx.sigmoid(self.in_proj_b(x))
+        a = self.in_proj_a(x)[:, None]
+        beta = mx.sigmoid(self.in_proj_b(x))[:, None]
         g = mx.exp(-mx.exp(self.A_log.astype(f32)) * nn.softplus(a + self.dt_bias))
         method = "auto" if self.options.chunked_delta else "sequential"
         y, state = gated_delta(q, k, v, g, beta, state, method=method)
         z = self.in_proj_z(x).reshape(B, 1, self.hv, self.dv)
         y = _rms_norm(y, self.norm.weight, self.eps)
         y = (nn.silu(z.astype(f32)) * y.astype(f32)).astype(x.dtype)
-        return self.out_proj(y.reshape(B, 1, -1)), mx.contiguous(window[:, 1:]), state
+        return self.out_proj(y.reshape(B, -1)), mx.contiguous(window[:, 1:]), state
 
     def _delta(self, q, k, v, g, beta, state, start: int, end: int):
         """The gated delta rule over positions [start, end) of the chunk."""
@@ -154,6 +156,17 @@ def _tail(window: mx.array, start: int, n: int) -> mx.array:
     return mx.contiguous(window[:, start : start + n])
 
 
+def _rotate(x: mx.array, dims: int, cos: mx.array, sin: mx.array) -> mx.array:
+    """Non-traditional RoPE on the first `dims` features of x `[..., T, D]`, the same ops in
+    the same order as `mx.fast.rope`'s CPU path."""
+    half = dims // 2
+    x1, x2 = x[..., :half], x[..., half:dims]
+    parts = [x1 * cos - x2 * sin, x1 * sin + x2 * cos]
+    if dims < x.shape[-1]:
+        parts.append(x[..., dims:])
+    return mx.concatenate(parts, axis=-1)
+
+
 class Attention(nn.Module):
     """Grouped-query softmax attention with q/k norms, partial RoPE and a sigmoid output gate."""
 
@@ -168,6 +181,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nq * self.d, a.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, a.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, a.rms_norm_eps)
+        # RoPE frequencies for the CPU path (see _angles); "_": not a parameter.
+        half = self.rotary // 2
+        step = mx.array(math.log(self.theta) / half, mx.float32)
+        self._inv_freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * step)
+        mx.eval(self._inv_freqs)
 
     def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
         q, k, v, gate = self.project(x, cache.offset)
@@ -175,20 +193,32 @@ class Attention(nn.Module):
 
     def project(self, x: mx.array, offset: int | mx.array):
         """q `[B, Hq, T, D]`, k and v `[B, Hkv, T, D]` at positions from `offset`, and the
-        output gate `[B, T, Hq*D]`."""
-        B, T, _ = x.shape
+        output gate `[B, T, Hq*D]`, from x `[B, T, H]` or, for one token, `[B, H]`."""
+        B, T = x.shape[0], x.shape[1] if x.ndim == 3 else 1
         q, gate = mx.split(self.q_proj(x).reshape(B, T, self.nq, 2 * self.d), 2, axis=-1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)  # [B, Hq, T, D]
         k = self.k_norm(self.k_proj(x).reshape(B, T, self.nkv, self.d)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, T, self.nkv, self.d).transpose(0, 2, 1, 3)
         # Text-only positions are equal in all three M-RoPE sections: plain RoPE on `rotary` dims.
-        q = mx.fast.rope(
-            q, self.rotary, traditional=False, base=self.theta, scale=1.0, offset=offset
-        )
-        k = mx.fast.rope(
-            k, self.rotary, traditional=False, base=self.theta, scale=1.0, offset=offset
-        )
+        if mx.default_device() == mx.cpu:
+            cos, sin = self._angles(T, offset, q.dtype)
+            q, k = _rotate(q, self.rotary, cos, sin), _rotate(k, self.rotary, cos, sin)
+        else:
+            q = mx.fast.rope(
+                q, self.rotary, traditional=False, base=self.theta, scale=1.0, offset=offset
+            )
+            k = mx.fast.rope(
+                k, self.rotary, traditional=False, base=self.theta, scale=1.0, offset=offset
+            )
         return q, k, v, gate.reshape(B, T, -1)
+
+    def _angles(self, T: int, offset: int | mx.array, dtype: mx.Dtype):
+        """cos and sin `[T, rotary/2]` of positions offset..offset+T-1, as MLX's CPU RoPE
+        computes them (its CPU path is this very graph, built afresh for q and for k and
+        with the frequencies recomputed every call: ~60 nodes where this is ~15)."""
+        positions = mx.arange(T, dtype=mx.float32) + offset
+        theta = positions[:, None] * self._inv_freqs
+        return mx.cos(theta).astype(dtype), mx.sin(theta).astype(dtype)
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache) -> mx.array:
         """Append k, v to the cache and attend; returns `[B, T, Hq*D]`."""
@@ -283,14 +313,17 @@ class DecoderLayer(nn.Module):
         return attention_out(x, self.self_attn.attend(q, k, v, cache), gate)
 
     def _linear_step(self, x: mx.array, tail: mx.array, state: mx.array):
-        y, tail, state = self.linear_attn.decode(self.input_layernorm(x), tail, state)
-        return self._mlp_residual(x + y), tail, state
+        x2 = x.reshape(x.shape[0], -1)  # [B, H]
+        y, tail, state = self.linear_attn.decode(self.input_layernorm(x2), tail, state)
+        return self._mlp_residual(x2 + y).reshape(x.shape), tail, state
 
     def _attention_in(self, x: mx.array, offset: mx.array):
-        return self.self_attn.project(self.input_layernorm(x), offset)
+        return self.self_attn.project(self.input_layernorm(x.reshape(x.shape[0], -1)), offset)
 
     def _attention_out(self, x: mx.array, y: mx.array, gate: mx.array) -> mx.array:
-        return self._mlp_residual(x + self.self_attn.output(y, gate))
+        B = x.shape[0]
+        h = x.reshape(B, -1) + self.self_attn.output(y.reshape(B, -1), gate.reshape(B, -1))
+        return self._mlp_residual(h).reshape(x.shape)
 
     def _mlp_residual(self, h: mx.array) -> mx.array:
         return h + self.mlp(self.post_attention_layernorm(h))
