@@ -15,6 +15,9 @@ same way (one ``mx.eval`` per step):
 - ``rest``: what the step costs beyond the parts (norms, the conv, gates, cache writes,
   scheduling): step + sample - the parts.
 
+And the host side (``host``): the graph nodes one step dispatches and the Python time to build
+them, against mlx-lm's qwen3_5 on the same checkpoint.
+
 The weights are read once per token, so ``matvec + lm_head`` against the bytes they read gives
 the achieved bandwidth. Each figure is the median of ``--repeats`` runs.
 """
@@ -46,6 +49,7 @@ def profile(model: str, depth: int, repeats: int) -> dict:
 
     import engine
     from engine.runtime.generate import prefill
+    from kernels import gated_delta
 
     eng = engine.load(str(model_path(model)))
     net = eng.model
@@ -87,7 +91,7 @@ def profile(model: str, depth: int, repeats: int) -> dict:
     states = [mx.random.normal((1, hv, dv, dk)) for _ in range(n_linear)]
     mx.eval(q, v, g, beta, states)
     out["delta"] = _median_ms(
-        lambda: mx.eval([mx.fast.gated_delta_update(q, q, v, g, beta, s) for s in states]),
+        lambda: mx.eval([gated_delta(q, q, v, g, beta, s) for s in states]),  # as decode picks
         repeats,
     )
     qa = mx.random.normal((1, a.num_attention_heads, 1, a.head_dim))
@@ -108,6 +112,76 @@ def profile(model: str, depth: int, repeats: int) -> dict:
     return out
 
 
+def graph_nodes(*outputs) -> int:
+    """Operations in the lazy graph behind `outputs` (what evaluating them dispatches)."""
+    import tempfile
+
+    import mlx.core as mx
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *outputs)
+        return f.read().count("shape=rectangle")
+
+
+def host(model: str, depth: int = 64, repeats: int = 50) -> dict:
+    """The host side of one decode step (batch 1, greedy), this engine against mlx-lm's
+    qwen3_5 on the same checkpoint: graph nodes, and milliseconds of Python to build them."""
+    import mlx.core as mx
+    from mlx_lm import load as mlx_lm_load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import engine
+    from engine.runtime.generate import cache_arrays, prefill
+    from engine.runtime.step import Row, forward, rollback
+
+    path = str(model_path(model))
+    prompt = list(range(1000, 1000 + depth))
+    net = engine.load(path).model
+    caches = net.make_caches()
+    prefill(net, caches, prompt, 0)
+
+    def ours():
+        ((logits, mark),) = forward(net, [Row(caches, [1234])])
+        return mx.argmax(logits[-1]), mark
+
+    first, mark = ours()  # the first step traces the compiled layers
+    mx.eval(first, cache_arrays(caches))
+    rollback(caches, mark, mark.start)
+    out = {"depth": depth}
+
+    def build_ours():
+        y, mark = ours()
+        rollback(caches, mark, mark.start)
+        return y
+
+    y = build_ours()
+    out["engine_nodes"] = graph_nodes(y)
+    out["engine_build_ms"] = _median_ms(build_ours, repeats)
+
+    theirs, _ = mlx_lm_load(path)
+    cache = make_prompt_cache(theirs)
+    mx.eval(theirs(mx.array([prompt]), cache=cache), [c.state for c in cache])
+    token = mx.array([[1234]])
+
+    def build_theirs():
+        y = mx.argmax(theirs(token, cache=cache)[0, -1])
+        for c in cache:  # back to the same depth without evaluating the step
+            if hasattr(c, "offset") and c.offset > depth:
+                c.offset = depth
+        return y
+
+    snapshot = [list(c.state) for c in cache]
+    out["mlx_lm_nodes"] = graph_nodes(build_theirs())
+
+    def build_theirs_restored():
+        build_theirs()
+        for c, s in zip(cache, snapshot):
+            c.state = s
+
+    out["mlx_lm_build_ms"] = _median_ms(build_theirs_restored, repeats)
+    return out
+
+
 def print_table(r: dict) -> None:
     print(f"decode step at depth {r['depth']}: {r['step']:.1f} ms ({r['tokens_per_s']:.1f} tok/s)")
     for part in ("build", "matvec", "lm_head", "delta", "attention", "sample", "rest"):
@@ -123,8 +197,11 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     r = profile(a.model, a.depth, a.repeats)
-    result = {"conditions": conditions(model=a.model, dtype="float32"), "profile": r}
+    h = host(a.model, a.depth, a.repeats)
+    result = {"conditions": conditions(model=a.model, dtype="float32"), "profile": r, "host": h}
     print_table(r)
+    print(f"host: {h['engine_nodes']} graph nodes, {h['engine_build_ms']:.2f} ms to build "
+          f"(mlx-lm: {h['mlx_lm_nodes']} nodes, {h['mlx_lm_build_ms']:.2f} ms)")  # fmt: skip
     print(json.dumps({"bench": "profile", **result}))
     write_json(a.json, result)
 
