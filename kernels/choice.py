@@ -7,8 +7,9 @@ The candidates:
     and every CUDA device, falls back to T steps of small ops (MLX PR #4522).
   - "chunked": ``kernels.delta_rule`` (matmuls over chunks of 64 plus one triangular inverse
     per chunk; LAPACK on the CPU, matmul-only blocked inverse on a GPU).
-  - "step": one decode token as a few broadcast ops (``kernels.delta_rule._step``): on the CPU
-    and CUDA, ``mx.fast`` runs the same math as ~35 small graph nodes, this as ~12.
+  - "step": decode tokens and short prefill segments (T < MIN_CHUNKED_T) as a few broadcast
+    ops per token (``kernels.delta_rule._step``): on the CPU and CUDA, ``mx.fast`` runs the
+    same math as ~34 small graph nodes per token, this as 9.
   - "mlx_lm": mlx-lm's own Metal kernel (``mlx_lm.models.gated_delta.gated_delta_kernel``),
     what mlx-lm itself runs on Metal for any Dk that is a multiple of 32.
 
@@ -28,6 +29,9 @@ MIN_CHUNKED_T = 16
 # hundred per 64 steps. An assumption until bench/gpu_check.py measures it on a CUDA device.
 MIN_CHUNKED_T_CUDA = 16
 
+# "step" builds 9 graph nodes per token in a Python loop: a guard against asking it for a prefill.
+MAX_STEP_T = 64
+
 METHODS = ("sequential", "chunked", "mlx_lm", "step")
 
 
@@ -39,7 +43,7 @@ def choose(
     `fast_matmul`: whether CPU float32 matmuls are fast (Accelerate, or a fast BLAS on Linux);
     with the reference BLAS the chunked path is ~0.8x the sequential one, not a win.
     """
-    if device in ("cpu", "cuda") and t == 1:
+    if device in ("cpu", "cuda") and t < MIN_CHUNKED_T:
         return "step"
     if device == "cpu":
         return "chunked" if t >= MIN_CHUNKED_T and fast_matmul else "sequential"

@@ -54,16 +54,19 @@ def assert_close(inputs: list, **kwargs) -> None:
     assert err_s <= TOL * max(np.abs(s_ref).max(), 1e-30), err_s
 
 
+@pytest.mark.parametrize("T", [1, 2, 15])
 @pytest.mark.parametrize("Hk, Hv", [(2, 2), (2, 4), (4, 8)])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_one_token_step_matches_reference(Hk: int, Hv: int, with_state: bool) -> None:
-    inputs = make_inputs(1, B=2, Hk=Hk, Hv=Hv, with_state=with_state, seed=Hv)
+def test_step_matches_reference(T: int, Hk: int, Hv: int, with_state: bool) -> None:
+    inputs = make_inputs(T, B=2, Hk=Hk, Hv=Hv, with_state=with_state, seed=Hv + T)
     assert_close(inputs, method="step")
 
 
-def test_one_token_step_refuses_longer_input() -> None:
-    with pytest.raises(ValueError, match="one token"):
-        gated_delta(*make_inputs(2), method="step")
+def test_step_refuses_a_prefill() -> None:
+    from kernels.choice import MAX_STEP_T
+
+    with pytest.raises(ValueError, match="at most"):
+        gated_delta(*make_inputs(MAX_STEP_T + 1), method="step")
 
 
 @pytest.mark.parametrize("T", [1, 2, 63, 64, 65, 1000, 4096])
@@ -154,14 +157,13 @@ def test_kernel_choice_per_device(model: str) -> None:
 
     heads = HEADS[model]
     for t in (1, 7, 16, 64, 512):
-        # CPU: one decode token as a few broadcast ops; chunked for prefill once matmuls are
-        # fast; sequential mx.fast otherwise.
-        cpu = "chunked" if t >= MIN_CHUNKED_T else "sequential"
-        assert choose("cpu", *heads, t) == ("step" if t == 1 else cpu)
-        assert choose("cpu", *heads, t, fast_matmul=False) == ("step" if t == 1 else "sequential")
+        # CPU: decode tokens and short segments as a few broadcast ops each; chunked for
+        # prefill once matmuls are fast; sequential mx.fast otherwise.
+        short = t < MIN_CHUNKED_T
+        assert choose("cpu", *heads, t) == ("step" if short else "chunked")
+        assert choose("cpu", *heads, t, fast_matmul=False) == ("step" if short else "sequential")
         # CUDA: mx.fast is T steps of small ops there, so prefill goes chunked.
-        cuda = "chunked" if t >= MIN_CHUNKED_T_CUDA else "sequential"
-        assert choose("cuda", *heads, t) == ("step" if t == 1 else cuda)
+        assert choose("cuda", *heads, t) == ("step" if t < MIN_CHUNKED_T_CUDA else "chunked")
         # Metal: mlx-lm's own kernel, as mlx-lm runs it, for every Qwen3.5 head shape.
         assert choose("metal", *heads, t) == "mlx_lm"
 
