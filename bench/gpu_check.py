@@ -110,10 +110,10 @@ def kernels_section(models: list[str], ts: list[int]) -> list[dict]:
     import numpy as np
 
     from kernels import gated_delta, gated_delta_reference
-    from kernels.choice import choose, device_kind
+    from kernels.choice import MAX_STEP_T, choose, device_kind
 
     kind = device_kind()
-    methods = ["sequential", "chunked", "fast_raw"] + (["mlx_lm"] if kind == "metal" else [])
+    base = ["sequential", "chunked", "fast_raw"] + (["mlx_lm"] if kind == "metal" else [])
     rows = []
     for model in models:
         hk, hv, dk, dv = HEADS[model]
@@ -121,7 +121,7 @@ def kernels_section(models: list[str], ts: list[int]) -> list[dict]:
             inputs = kernel_inputs(hk, hv, dk, dv, t)
             y_ref, s_ref = gated_delta_reference(*inputs)
             row = {"model": model, "T": t, "choice": choose(kind, hk, hv, dk, dv, t)}
-            for method in methods:
+            for method in base + (["step"] if t <= MAX_STEP_T else []):
                 if method == "fast_raw":
                     run = lambda a=inputs: mx.fast.gated_delta_update(*a)  # noqa: E731
                 else:

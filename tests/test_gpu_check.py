@@ -16,11 +16,12 @@ def test_quick_gpu_check_runs_every_section_with_small_errors(capsys):
         (m, t) for m in ("tiny", "0.8b") for t in (1, 7, 64)
     }
     for row in r["kernels"]:
-        for method in ("sequential", "chunked"):  # bfloat16 in and out, float32 state
+        methods = ("sequential", "chunked", "step")  # bfloat16 in and out, float32 state
+        for method in methods:
             k = row[method]
             assert k["dtypes"] == ["bfloat16", "float32"]
             assert k["err_y"] < 1e-2 and k["err_state"] < 1e-5 and k["ms"] > 0
-        assert row["choice"] in ("sequential", "chunked")
+        assert row["choice"] in methods
     b = r["bf16_vs_mlx_lm"]
     assert b["max_diff"] <= 0.05 and b["clear_positions"] > 0 and b["clear_disagree"] == 0
     assert r["moe_bf16_vs_mlx_lm"] == "cpu: n/a"
