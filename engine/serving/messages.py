@@ -122,9 +122,11 @@ def _tools(tools: Any) -> list[dict]:
         if tool.get("type") not in (None, "custom"):
             raise bad(f"'tools[{i}].type' {tool.get('type')!r} is not supported (client tools "
                       "only)", f"tools[{i}].type", "unsupported")  # fmt: skip
-        function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
+        # Key order as OpenAI's (name, description, parameters): the template prints the JSON.
+        function = {"name": tool.get("name")}
         if "description" in tool:
             function["description"] = tool["description"]
+        function["parameters"] = tool.get("input_schema")
         out.append({"type": "function", "function": function})
     return out
 
@@ -195,6 +197,10 @@ def translate(body: Any, defaults: Mapping | None = None) -> MessagesRequest:
         chat["chat_template_kwargs"] = {"enable_thinking": thinking}
     stop = body.get("stop_sequences")
     if stop is not None:
+        if not isinstance(stop, list):
+            raise bad(
+                "'stop_sequences' must be a list of strings", "stop_sequences", "invalid_type"
+            )
         chat["stop"] = stop
     if body.get("stream") is not None:
         chat["stream"] = body["stream"]

@@ -135,9 +135,11 @@ def _tools(tools: Any) -> list[dict]:
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise bad(f"'tools[{i}].type' must be 'function' (only function tools are "
                       "supported)", f"tools[{i}].type", "unsupported")  # fmt: skip
-        function = {"name": tool.get("name"), "parameters": tool.get("parameters") or {}}
+        # Key order as OpenAI's (name, description, parameters): the template prints the JSON.
+        function = {"name": tool.get("name")}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
+        function["parameters"] = tool.get("parameters") or {}
         out.append({"type": "function", "function": function})
     return out
 
@@ -303,9 +305,9 @@ def response(request: ResponsesRequest, ident: str, created: int, model: str,
         "top_p": request.chat.params.top_p, "text": {"format": {"type": "text"}},
         "store": request.store, "usage": None, **request.echo,
     }  # fmt: skip
-    body["tool_choice"] = body["tool_choice"] or "auto"
-    body["tools"] = body["tools"] or []
-    body["metadata"] = body["metadata"] or {}
+    body["tool_choice"] = body.get("tool_choice") or "auto"
+    body["tools"] = body.get("tools") or []
+    body["metadata"] = body.get("metadata") or {}
     if turn is not None:
         assert out is not None
         body["output"], body["usage"] = out.items, usage(turn)

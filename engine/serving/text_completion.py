@@ -46,7 +46,9 @@ class CompletionRequest:
 
 
 def _prompt_ids(value: Any, tokenizer, vocab: int) -> tuple[list[int], str]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        if len(value) > 1:
+            raise bad("'prompt' takes one prompt per request", "prompt", "unsupported_value")
         value = value[0]  # a batch of one
     if isinstance(value, str):
         if not value:
