@@ -228,6 +228,19 @@ def test_bad_requests_in_anthropic_shape(server, body, field):
     assert field in error["error"]["message"]
 
 
+def test_render_errors_name_the_message(server):
+    # An answer without tool calls followed by a tool result: the renderer's error, about the
+    # chat message after the system one, named by its place in the Anthropic request.
+    body = {"model": "tiny", "max_tokens": 4, "system": "S", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x", "content": "r"}]},
+    ]}  # fmt: skip
+    r = httpx.post(server.url + "/v1/messages", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("messages[1]: only the final answer")
+
+
 def test_x_api_key_and_bearer(tiny):
     config = ServerConfig(port=0, context_window=WINDOW, warm=False, api_key="s3cret")
     with BackgroundServer(tiny, config) as srv:

@@ -28,11 +28,12 @@ _ERROR_TYPES = {
 
 
 def error_body(e: ApiError) -> dict:
-    """An ApiError in Anthropic's error shape (the param is named in the message)."""
-    return {
-        "type": "error",
-        "error": {"type": _ERROR_TYPES.get(e.status, "api_error"), "message": e.message},
-    }
+    """An ApiError in Anthropic's error shape, which has no param: the message names it."""
+    message = e.message
+    if e.param and e.param not in message:
+        message = f"{e.param}: {message}"
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(e.status, "api_error"),
+                                       "message": message}}  # fmt: skip
 
 
 @dataclass
