@@ -168,8 +168,8 @@ class StatelessChat:
     def submit(self, prepared: PreparedChat, emit: Callable[[tuple], None], *,
                warm: bool = True) -> Job:  # fmt: skip
         """Queue the generation, running ahead of the consumer; events go to `emit` (on the
-        model thread): ("first",), ("delta", reasoning, content, raw), then ("done", Turn) or
-        ("error", ApiError). `job.cancel()` stops it at the next token."""
+        model thread): ("first", reused_tokens), ("delta", reasoning, content, raw), then ("done",
+        Turn) or ("error", ApiError). `job.cancel()` stops it at the next token."""
 
         def run(job: Job) -> None:
             if job.cancelled.is_set():
@@ -199,8 +199,8 @@ class StatelessChat:
     # ----- on the model thread ------------------------------------------------------------
 
     def generate(self, prepared: PreparedChat, *, warm: bool) -> Generator[tuple, None, Turn]:
-        """Generate on the best pool sequence: yields ("first",) once the prompt is in, then
-        ("delta", reasoning, content, raw) for new visible text; returns the Turn."""
+        """Generate on the best pool sequence: yields ("first", reused_tokens) once the prompt
+        is in, then ("delta", reasoning, content, raw) for new visible text; returns the Turn."""
         prompt, request = prepared.prompt, prepared.request
         b = prompt.boundaries
         seq = self.pool.acquire(prompt.ids, b.generation_start)
@@ -215,7 +215,7 @@ class StatelessChat:
         try:
             for token in tokens:
                 if len(progress.tokens) == 1:
-                    yield ("first",)
+                    yield ("first", progress.reused)
                 piece = detok.add(token)
                 if piece and (delta := out.add(piece)):
                     yield delta

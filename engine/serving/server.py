@@ -1,7 +1,11 @@
 """`chatml serve`: an OpenAI-compatible HTTP server (Starlette on uvicorn) for one model.
 
-Routes: `POST /v1/chat/completions` (streaming with SSE or not), `GET /v1/models`,
-`GET /health`. Requests are stateless: each carries the whole conversation. This is a thin
+Routes: `POST /v1/chat/completions` (streaming with SSE or not), `POST /v1/messages`
+(Anthropic's Messages API), `POST /v1/responses` (OpenAI's Responses API), `POST
+/v1/completions` (legacy, raw prompts), `GET /v1/models`, `GET /health`. The three other APIs
+are translations onto the same chat request (messages.py, responses.py, text_completion.py),
+so every one reuses the same pool of cached sequences. Requests are stateless: each carries
+the whole conversation (a Responses request may name a kept previous response). This is a thin
 HTTP layer over the engine's stateless chat (engine/stateless.py, also `Engine.chat`): the
 handler parses the body, has the request checked and rendered, and queues it on the engine's
 model thread, which routes the prompt to the pool sequence that reuses the most, generates,
@@ -36,8 +40,9 @@ from starlette.routing import Route
 
 from ..runtime.pool import DEFAULT_SEQUENCES
 from ..runtime.worker import Job
-from ..stateless import DEFAULT_MAX_TOKENS, openai_message
+from ..stateless import DEFAULT_MAX_TOKENS, PreparedChat, openai_message
 from ..turn import Turn
+from . import messages, responses, text_completion
 from .completion import ApiError, Renderer, decode_body, parse_request
 
 log = logging.getLogger("chatml.server")
@@ -95,6 +100,7 @@ class ServerConfig:
     # Sampling defaults for fields a request omits (SamplingParams fields); None: the
     # checkpoint's generation_config.json, then OpenAI's defaults.
     sampling: dict | None = None
+    responses_kept: int = responses.KEPT_RESPONSES  # for previous_response_id
 
 
 # ----- HTTP ---------------------------------------------------------------------------------
@@ -105,8 +111,13 @@ def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
+def _anthropic_error(e: ApiError) -> JSONResponse:
+    return JSONResponse(messages.error_body(e), status_code=e.status)
+
+
 class BearerAuth:
-    """ASGI middleware: every route but /health needs `Authorization: Bearer KEY`."""
+    """ASGI middleware: every route but /health needs `Authorization: Bearer KEY` or, as
+    Anthropic's clients send it, `x-api-key: KEY`."""
 
     def __init__(self, app, api_key: str):
         self.app = app
@@ -116,12 +127,14 @@ class BearerAuth:
         if scope["type"] != "http" or scope["path"] == "/health":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        given = headers.get(b"authorization", b"")
-        scheme, _, token = given.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-            e = ApiError(401, "Incorrect or missing API key (Authorization: Bearer KEY).",
-                         code="invalid_api_key")  # fmt: skip
-            return await _error(e)(scope, receive, send)
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+        x_api_key = hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.key)
+        if not (bearer or x_api_key):
+            e = ApiError(401, "Incorrect or missing API key (Authorization: Bearer KEY, or "
+                         "x-api-key: KEY).", code="invalid_api_key")  # fmt: skip
+            anthropic = scope["path"].startswith("/v1/messages")
+            return await (_anthropic_error(e) if anthropic else _error(e))(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
@@ -160,8 +173,12 @@ class ServerApp:
         )
         self.worker = engine.stateless  # runs every request on the engine's model thread
         self.jobs: set[Job] = set()  # this server's requests not yet finished
+        self.kept = responses.ResponseStore(config.responses_kept)  # previous_response_id
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/messages", self.messages, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
         ]
@@ -334,6 +351,181 @@ class ServerApp:
             job.cancel()
             watcher.cancel()
 
+    # ----- the other APIs: translations onto the same chat request -------------------------
+
+    async def _start(self, request: Request, prepared: PreparedChat, *, warm: bool) -> Running:
+        """Queue `prepared` on the model thread; returns once its first event is in (so an
+        error in the prompt is still an HTTP error), raising the ApiError if it is one."""
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        mine: list[Job] = []
+
+        def emit(event: tuple) -> None:  # called on the engine's model thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the loop is gone (shutdown): nobody is listening
+                for j in mine:
+                    j.cancel()
+
+        self._check_queue()
+        job = self.worker.submit(prepared, emit, warm=warm and self.config.warm)
+        mine.append(job)
+        self.jobs = {j for j in self.jobs if not j.done.is_set()} | {job}
+        watcher = asyncio.ensure_future(_watch_disconnect(request, job))
+        try:
+            first = await events.get()
+        except BaseException:
+            job.cancel()
+            watcher.cancel()
+            raise
+        if first[0] == "error":
+            watcher.cancel()
+            raise first[1]
+        return Running(job, events, first, watcher)
+
+    def _prepare_translated(self, asked, origins) -> PreparedChat:
+        try:
+            return self.worker.prepare(asked, window=self.window, renderer=self.renderer,
+                                       default_max_tokens=self.config.max_tokens, openai=True)  # fmt: skip
+        except ApiError as e:
+            raise origins.error(e) from None
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API."""
+
+        def prepare(raw: bytes):
+            asked = messages.translate(decode_body(raw), self.sampling)
+            return asked, self._prepare_translated(asked.chat, asked.origins)
+
+        try:
+            raw = await _read_body(request, self.config.max_body_bytes)
+            self._check_queue()
+            asked, prepared = await anyio.to_thread.run_sync(prepare, raw)
+            running = await self._start(request, prepared, warm=True)
+        except ApiError as e:
+            return _anthropic_error(e)
+        ident, decode = f"msg_{uuid.uuid4().hex}", self.engine.tokenizer.decode
+        if asked.chat.stream:
+            stream = messages.stream(running.each(), asked, ident, self.config.model,
+                                     len(prepared.prompt.ids), decode)  # fmt: skip
+            return _Stream(stream, running.job, media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache"})  # fmt: skip
+        try:
+            turn = await running.turn()
+        except ApiError as e:
+            return _anthropic_error(e)
+        return JSONResponse(messages.message(turn, asked, ident, self.config.model, decode))
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API."""
+
+        def prepare(raw: bytes):
+            asked = responses.translate(decode_body(raw), self.kept, self.sampling)
+            return asked, self._prepare_translated(asked.chat, asked.origins)
+
+        try:
+            raw = await _read_body(request, self.config.max_body_bytes)
+            self._check_queue()
+            asked, prepared = await anyio.to_thread.run_sync(prepare, raw)
+            running = await self._start(request, prepared, warm=True)
+        except ApiError as e:
+            return _error(e)
+        ident, created, model = f"resp_{uuid.uuid4().hex}", int(time.time()), self.config.model
+        if asked.chat.stream:
+            stream = responses.stream(running.each(), asked, self.kept, ident, created, model)
+            return _Stream(stream, running.job, media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache"})  # fmt: skip
+        try:
+            turn = await running.turn()
+        except ApiError as e:
+            return _error(e)
+        out = responses.output(turn)
+        responses.remember(self.kept, asked, ident, turn, out)
+        return JSONResponse(responses.response(asked, ident, created, model, turn, out))
+
+    async def completions(self, request: Request) -> Response:
+        """The legacy completions API: a raw prompt, no chat template."""
+        tokenizer = self.engine.tokenizer
+
+        def prepare(raw: bytes):
+            return text_completion.translate(decode_body(raw), tokenizer, self.window,
+                                             self.sampling)  # fmt: skip
+
+        running, scored = None, None
+        try:
+            raw = await _read_body(request, self.config.max_body_bytes)
+            self._check_queue()
+            asked = await anyio.to_thread.run_sync(prepare, raw)
+            if asked.max_tokens > 0:
+                prepared = PreparedChat(asked.chat, asked.prompt, asked.max_tokens, self.window,
+                                        None, False, time.perf_counter(), self.renderer)  # fmt: skip
+                # No warm-up: it re-renders chat messages, and a raw prompt has none.
+                running = await self._start(request, prepared, warm=False)
+            elif asked.logprobs is not None:
+                self._check_queue()
+                scored = await anyio.to_thread.run_sync(
+                    self.engine.worker.call, text_completion.prompt_logprobs, self.engine,
+                    asked.prompt.ids, asked.logprobs,
+                )  # fmt: skip
+        except ApiError as e:
+            return _error(e)
+        ident, model = f"cmpl-{uuid.uuid4().hex}", self.config.model
+        if asked.chat.stream:
+            stream = text_completion.stream(running and running.each(), asked, ident, model)
+            return _Stream(stream, running and running.job, media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache"})  # fmt: skip
+        echo = asked.prompt.text if asked.echo else ""
+        ids = asked.prompt.ids
+        if running is None:  # max_tokens 0: the prompt only
+            logprobs = None
+            if scored is not None:
+                logprobs = text_completion.logprobs_body(tokenizer, ids, scored, asked.logprobs)
+            usage = text_completion.usage(len(ids), 0, 0)
+            body = text_completion.completion(ident, int(time.time()), model, echo, "length",
+                                              usage, logprobs)  # fmt: skip
+            return JSONResponse(body)
+        try:
+            text, turn = await text_completion.collect(running.each())
+        except ApiError as e:
+            return _error(e)
+        s = turn.stats
+        usage = text_completion.usage(s.prompt_tokens, s.reused_tokens, s.generated_tokens)
+        return JSONResponse(text_completion.completion(
+            ident, int(time.time()), model, echo + text, turn.finish_reason, usage
+        ))  # fmt: skip
+
+
+class Running:
+    """A generation queued on the model thread: its job, its events, the disconnect watcher."""
+
+    def __init__(self, job: Job, events: asyncio.Queue, first: tuple, watcher: asyncio.Future):
+        self.job, self.events, self.first, self.watcher = job, events, first, watcher
+
+    async def each(self) -> AsyncIterator[tuple]:
+        """The events up to ("done", Turn) or ("error", ApiError), always starting with
+        ("first", reused_tokens) (an answer that ends at once has no first token); leaving
+        early cancels the job."""
+        event = self.first
+        try:
+            if event[0] == "done":
+                yield ("first", event[1].stats.reused_tokens)
+            while True:
+                yield event
+                if event[0] in ("done", "error"):
+                    return
+                event = await self.events.get()
+        finally:
+            self.job.cancel()  # no-op once done
+            self.watcher.cancel()
+
+    async def turn(self) -> Turn:
+        """The finished Turn; raises the job's ApiError."""
+        async for event in self.each():
+            if event[0] == "error":
+                raise event[1]
+            if event[0] == "done":
+                return event[1]
+        raise ApiError(500, "the generation ended without an answer", type="server_error")
+
 
 def _finish(turn: Turn) -> str:
     return "tool_calls" if turn.tool_calls else turn.finish_reason
@@ -342,15 +534,16 @@ def _finish(turn: Turn) -> str:
 class _Stream(StreamingResponse):
     """A streaming response that cancels its job however it ends (a failed send included)."""
 
-    def __init__(self, content, job: Job, **kwargs):
+    def __init__(self, content, job: Job | None, **kwargs):
         super().__init__(content, **kwargs)
-        self.job = job
+        self.job = job  # None: nothing runs on the model (a prompt echoed as it is)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.job.cancel()
+            if self.job is not None:
+                self.job.cancel()
 
 
 def create_app(engine, config: ServerConfig | None = None) -> ServerApp:

@@ -1,0 +1,234 @@
+"""The legacy completions API (`POST /v1/completions`): raw text in, raw text out.
+
+The prompt (a string, or token ids) goes to the model as it is, with no chat template: its ids
+are routed through the same pool as chat prompts, so a prompt that extends an earlier one
+(few-shot evaluation, a document growing call by call) restores the longest cached prefix.
+Special tokens written in a string prompt are control tokens (raw mode: the caller formats).
+`logprobs` with `echo` and `max_tokens: 0` scores the prompt: one forward pass over it, the
+log-softmax at each position read at the next token (what evaluation harnesses ask for).
+Logprobs of generated tokens are not supported yet (a 400 says so).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from renderer import Prompt
+from renderer.window import Boundaries
+
+from ..checkpoints.tokenizer import StreamDecoder
+from ..runtime.generate import eval_caches
+from ..turn import Turn
+from .completion import ApiError, ChatRequest, output_budget
+from .translation import Origins, bad, chat_request, sampling_fields
+
+DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for this endpoint
+MAX_LOGPROBS = 20
+LOGPROB_CHUNK = 128  # prompt positions per forward pass: bounds the [T, vocab] logits
+
+
+@dataclass
+class CompletionRequest:
+    chat: ChatRequest  # sampling, stop strings, stream; its messages are unused
+    prompt: Prompt  # the raw ids, no template, no boundaries
+    echo: bool
+    logprobs: int | None  # top-N alternatives per position, None: no logprobs
+
+    @property
+    def max_tokens(self) -> int:
+        return self.chat.max_tokens or 0
+
+
+def _prompt_ids(value: Any, tokenizer, vocab: int) -> tuple[list[int], str]:
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        if len(value) > 1:
+            raise bad("'prompt' takes one prompt per request", "prompt", "unsupported_value")
+        value = value[0]  # a batch of one
+    if isinstance(value, str):
+        if not value:
+            raise bad("'prompt' must not be empty", "prompt")
+        return tokenizer.encode(value), value
+    if not isinstance(value, list) or not value:
+        raise bad("'prompt' must be a string or a non-empty list of token ids (one prompt per "
+                  "request)", "prompt", "invalid_type")  # fmt: skip
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise bad(f"'prompt[{i}]' must be a token id (one prompt per request)", f"prompt[{i}]",
+                      "invalid_type")  # fmt: skip
+        if not 0 <= t < vocab:
+            raise bad(f"'prompt[{i}]' is not a token id of this model (0 to {vocab - 1}), got {t}",
+                      f"prompt[{i}]")  # fmt: skip
+    return list(value), tokenizer.decode(list(value))
+
+
+def translate(body: Any, tokenizer, window: int, defaults: Mapping | None = None
+              ) -> CompletionRequest:  # fmt: skip
+    """A completions request, checked; ApiError(400) naming the field."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", None, "invalid_type")
+    if body.get("suffix") is not None:
+        raise bad("'suffix' is not supported", "suffix", "unsupported")
+    if body.get("best_of") not in (None, 1):
+        raise bad("only best_of=1 is supported", "best_of", "unsupported_value")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise bad("'echo' must be a boolean", "echo", "invalid_type")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= MAX_LOGPROBS):  # fmt: skip
+        raise bad(f"'logprobs' must be an integer from 0 to {MAX_LOGPROBS}", "logprobs")
+    max_tokens = body.get("max_tokens")
+    if max_tokens == 0 and not isinstance(max_tokens, bool) and not echo:
+        raise bad("'max_tokens' may be 0 only with echo (to score the prompt)", "max_tokens")
+    if logprobs is not None and (max_tokens != 0 or not echo):
+        raise bad("'logprobs' is supported with echo: true and max_tokens: 0 (prompt logprobs); "
+                  "logprobs of generated tokens are not supported yet", "logprobs", "unsupported")  # fmt: skip
+    if logprobs is not None and body.get("stream"):
+        raise bad("'logprobs' is not supported with stream", "logprobs", "unsupported")
+    origins = Origins({"messages": "prompt"})
+    chat: dict = {"messages": [{"role": "user", "content": ""}], **sampling_fields(body)}
+    for name in ("stop", "stream", "stream_options", "n"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if max_tokens != 0:
+        chat["max_tokens"] = max_tokens
+    request = chat_request(chat, defaults, origins)
+    vocab = tokenizer.backend.get_vocab_size(with_added_tokens=True)
+    ids, text = _prompt_ids(body.get("prompt"), tokenizer, vocab)
+    prompt = Prompt(text, ids, [], 0, Boundaries(0, [], [], None))
+    if max_tokens == 0:
+        request.max_tokens = 0
+        if len(ids) > window:
+            raise bad(f"This model's maximum context length is {window} tokens, but the prompt "
+                      f"takes {len(ids)} tokens.", "prompt", "context_length_exceeded")  # fmt: skip
+    else:
+        try:
+            request.max_tokens = output_budget(request, len(ids), window, DEFAULT_MAX_TOKENS)
+        except ApiError as e:
+            raise origins.error(e) from None
+    return CompletionRequest(request, prompt, echo, logprobs)
+
+
+# ----- on the model thread ------------------------------------------------------------------
+
+
+def prompt_logprobs(
+    engine, ids: list[int], top: int
+) -> list[tuple[float, list[tuple[int, float]]]]:
+    """For each position after the first: (log p(ids[t] | ids[:t]), the `top` most likely ids
+    there with their log p), from one forward pass on fresh caches (no reuse: cached prefixes
+    keep no per-position logits). Runs on the model thread."""
+    out: list[tuple[float, list[tuple[int, float]]]] = []
+    with engine.lock:
+        caches = engine.model.make_caches()
+        for start in range(0, len(ids) - 1, LOGPROB_CHUNK):
+            piece = ids[start : start + LOGPROB_CHUNK]
+            targets = mx.array(ids[start + 1 : start + 1 + len(piece)])
+            logits = engine.model(mx.array([piece]), caches)[0, : targets.size]  # [T, V]
+            logits = logits.astype(mx.float32)
+            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            chosen = mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
+            if top:
+                best = mx.argsort(-lp, axis=-1)[:, :top]
+                best_lp = mx.take_along_axis(lp, best, axis=-1)
+                mx.eval(chosen, best, best_lp)
+                tops = [list(zip(b, v)) for b, v in zip(best.tolist(), best_lp.tolist())]
+            else:
+                mx.eval(chosen)
+                tops = [[] for _ in range(targets.size)]
+            out += list(zip(chosen.tolist(), tops))
+        eval_caches(caches)  # nothing lazy outlives the call (see CachedSequence.generate)
+    return out
+
+
+def logprobs_body(tokenizer, ids: list[int], scored: list, top: int) -> dict:
+    """The legacy `logprobs` object for the prompt: tokens, token_logprobs (None for the
+    first), top_logprobs ({token: logprob}) and text_offset (characters into the text)."""
+    detok, text, offsets, tokens = StreamDecoder(tokenizer), "", [], []
+    for t in ids:
+        offsets.append(len(text))
+        text += detok.add(t)
+        tokens.append(tokenizer.decode([t]))
+    tops: list = [None]
+    for _, alternatives in scored:
+        tops.append({tokenizer.decode([i]): v for i, v in alternatives} if top else None)
+    return {
+        "tokens": tokens, "token_logprobs": [None, *(lp for lp, _ in scored)],
+        "top_logprobs": tops, "text_offset": offsets,
+    }  # fmt: skip
+
+
+# ----- the answer ---------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, cached: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }  # fmt: skip
+
+
+def completion(ident: str, created: int, model: str, text: str, finish: str, usage: dict,
+               logprobs: dict | None = None) -> dict:  # fmt: skip
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    return {"id": ident, "object": "text_completion", "created": created, "model": model,
+            "choices": [choice], "usage": usage}  # fmt: skip
+
+
+def _chunk(ident: str, created: int, model: str, text: str, finish: str | None = None,
+           usage: dict | None = None) -> str:  # fmt: skip
+    choices = [] if usage else [
+        {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    ]  # fmt: skip
+    body = {"id": ident, "object": "text_completion", "created": created, "model": model,
+            "choices": choices}  # fmt: skip
+    if usage:
+        body["usage"] = usage
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def collect(events: AsyncIterator[tuple]) -> tuple[str, Turn]:
+    """The raw generated text (stop strings cut) and the Turn; raises the job's ApiError."""
+    raw = ""
+    async for event in events:
+        if event[0] == "delta":
+            raw += event[3]
+        elif event[0] == "error":
+            raise event[1]
+        elif event[0] == "done":
+            return raw, event[1]
+    raise ApiError(500, "the generation ended without an answer", type="server_error")
+
+
+async def stream(events: AsyncIterator[tuple] | None, request: CompletionRequest, ident: str,
+                 model: str) -> AsyncIterator[str]:  # fmt: skip
+    """SSE chunks: the echoed prompt, the raw text pieces, the finish, usage if asked, [DONE].
+    `events` is None when nothing is generated (max_tokens 0)."""
+    created = int(time.time())
+    if request.echo:
+        yield _chunk(ident, created, model, request.prompt.text)
+    turn = None
+    if events is not None:
+        async for event in events:
+            if event[0] == "delta" and event[3]:
+                yield _chunk(ident, created, model, event[3])
+            elif event[0] == "error":
+                yield f"data: {json.dumps(event[1].body())}\n\n"
+                return
+            elif event[0] == "done":
+                turn = event[1]
+    finish = turn.finish_reason if turn is not None else "length"
+    yield _chunk(ident, created, model, "", finish)
+    if request.chat.include_usage:
+        s = turn.stats if turn is not None else None
+        u = usage(s.prompt_tokens, s.reused_tokens, s.generated_tokens) if s else usage(
+            len(request.prompt.ids), 0, 0)  # fmt: skip
+        yield _chunk(ident, created, model, "", usage=u)
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,90 @@
+"""What the other APIs (/v1/messages, /v1/responses, /v1/completions) share: each translates
+its request into a chat-completions body, so one parser, one renderer and one pool serve them
+all, and translates errors back so that they name the field as the client wrote it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .completion import ApiError, ChatRequest, parse_request
+
+_MESSAGE = re.compile(r"messages\[(\d+)\]")
+
+
+def bad(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def text_of(content: Any, param: str, kinds: Sequence[str]) -> str:
+    """A string, or a list of text parts of the given `kinds` ({"type": k, "text": ...}),
+    joined; ApiError(400) naming `param` for anything else (images, files)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"'{param}' must be a string or a list of text parts", param, "invalid_type")
+    texts = []
+    for i, part in enumerate(content):
+        where = f"{param}[{i}]"
+        if not isinstance(part, dict):
+            raise bad(f"'{where}' must be an object", where, "invalid_type")
+        if part.get("type") not in kinds:
+            raise bad(f"'{where}.type' must be one of {', '.join(kinds)} (only text is "
+                      f"supported), got {part.get('type')!r}", f"{where}.type", "unsupported")  # fmt: skip
+        if not isinstance(part.get("text"), str):
+            raise bad(f"'{where}.text' must be a string", f"{where}.text", "invalid_type")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+class Origins:
+    """Where each translated chat message came from in the client's request, and how the
+    chat body's top-level fields are called in the client's API, for error messages."""
+
+    def __init__(self, fields: Mapping[str, str] | None = None):
+        self.messages: list[str] = []  # e.g. "messages[2]" or "input[5]", per chat message
+        self.fields = dict(fields or {})  # chat-body prefix -> the client's name
+
+    def rename(self, param: str | None) -> str | None:
+        if param is None:
+            return None
+        m = _MESSAGE.match(param)
+        if m:
+            i = int(m.group(1))
+            if i < len(self.messages):
+                rest = param[m.end() :]
+                return self.messages[i] + (".content" if rest.startswith(".content") else "")
+            return param.split("[", 1)[0]
+        for old in sorted(self.fields, key=len, reverse=True):
+            if param == old or param.startswith(old):
+                return self.fields[old] + param[len(old) :]
+        return param
+
+    def error(self, e: ApiError) -> ApiError:
+        """`e` with its param (and the param in its message) as the client calls it."""
+        param = self.rename(e.param)
+        message = e.message
+        if e.param and param != e.param:
+            message = message.replace(e.param, param)
+        return ApiError(e.status, message, param=param, code=e.code, type=e.type)
+
+
+def chat_request(body: dict, defaults: Mapping | None, origins: Origins) -> ChatRequest:
+    """`parse_request` of a translated chat body; its errors name the client's fields."""
+    try:
+        return parse_request(body, defaults)
+    except ApiError as e:
+        raise origins.error(e) from None
+
+
+SAMPLING_FIELDS = (
+    "model", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+    "presence_penalty", "frequency_penalty",
+)  # fmt: skip
+
+
+def sampling_fields(body: Mapping) -> dict:
+    """The fields every API passes through to the chat body unchanged."""
+    return {k: body[k] for k in SAMPLING_FIELDS if k in body}

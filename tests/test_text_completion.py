@@ -1,0 +1,118 @@
+"""/v1/completions (legacy, raw prompts) on `tiny`, through the official `openai` client.
+
+References: greedy decoding after one full prefill of the raw prompt ids (`fresh_greedy`),
+and for prompt logprobs one forward pass of the model over the whole prompt, with the
+log-softmax taken in float64 by numpy.
+"""
+
+from __future__ import annotations
+
+import httpx
+import mlx.core as mx
+import numpy as np
+import openai
+import pytest
+from helpers import fresh_greedy
+
+from engine.serving.server import BackgroundServer, ServerConfig
+
+WINDOW = 4096
+GREEDY = {"temperature": 0, "presence_penalty": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    with BackgroundServer(tiny, ServerConfig(port=0, context_window=WINDOW, warm=False)) as srv:
+        yield srv
+
+
+def client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def complete(c: openai.OpenAI, prompt, **kw):
+    return c.completions.create(model="tiny", prompt=prompt, **{"max_tokens": 5, **GREEDY, **kw})
+
+
+def test_raw_prompt_no_template_greedy_exact(tiny, server):
+    c = client(server)
+    prompt = "The fox and the crow, a fable."
+    ids = tiny.tokenizer.encode(prompt)
+    r = complete(c, prompt)
+    expected, _ = fresh_greedy(tiny, ids, 5)
+    assert r.choices[0].text == tiny.tokenizer.decode(expected)
+    assert r.usage.prompt_tokens == len(ids)  # no template around it
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    # Token ids are the same prompt; echo puts the prompt before the answer.
+    by_ids = complete(c, ids, echo=True)
+    assert by_ids.choices[0].text == prompt + r.choices[0].text
+    chunks = list(complete(c, prompt, stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 5
+
+
+def test_extended_prompt_reuses_the_cached_prefix(tiny, server):
+    c = client(server)
+    ids = tiny.tokenizer.encode("Few-shot: 1 -> one, 2 -> two,")
+    first = complete(c, ids)
+    generated, _ = fresh_greedy(tiny, ids, 5)
+    assert first.choices[0].text == tiny.tokenizer.decode(generated)
+    longer = ids + generated + tiny.tokenizer.encode(" 3 -> three,")
+    second = complete(c, longer)
+    # The sequence holds the prompt and every generated token but the last (never fed).
+    assert second.usage.prompt_tokens_details.cached_tokens == len(ids) + len(generated) - 1
+    expected, _ = fresh_greedy(tiny, longer, 5)
+    assert second.choices[0].text == tiny.tokenizer.decode(expected)
+
+
+def test_stop_strings_cut_the_text(server):
+    c = client(server)
+    full = complete(c, "A long sentence:", max_tokens=12).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    r = complete(c, "A long sentence:", max_tokens=12, stop=[stop])
+    assert r.choices[0].text == full[: full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_echo_prompt_logprobs_equal_a_fresh_forward_pass(tiny, server):
+    c = client(server)
+    prompt = "Scoring this sentence, token by token."
+    ids = tiny.tokenizer.encode(prompt)
+    r = complete(c, prompt, max_tokens=0, echo=True, logprobs=3)
+    choice = r.choices[0]
+    assert choice.text == prompt and r.usage.completion_tokens == 0
+    with tiny.lock:
+        logits = tiny.model(mx.array([ids]), tiny.model.make_caches())[0]
+        logits = np.array(logits.astype(mx.float32), dtype=np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    lp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))  # log_softmax
+    expected = [lp[t - 1, ids[t]] for t in range(1, len(ids))]
+    got = choice.logprobs
+    assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+    np.testing.assert_allclose(got.token_logprobs[1:], expected, atol=1e-4)
+    for t in range(1, len(ids)):
+        best = np.argsort(-lp[t - 1])[:3]
+        alternatives = got.top_logprobs[t]
+        assert list(alternatives) == [tiny.tokenizer.decode([int(i)]) for i in best]
+        np.testing.assert_allclose(list(alternatives.values()), lp[t - 1, best], atol=1e-4)
+    assert "".join(got.tokens) == prompt
+    assert got.text_offset == [len(tiny.tokenizer.decode(ids[:t])) for t in range(len(ids))]
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "hi", "logprobs": 2}, "logprobs"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": [1, 10**9]}, "prompt[1]"),
+        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "hi", "suffix": "x"}, "suffix"),
+        ({"prompt": "hi", "max_tokens": WINDOW}, "max_tokens"),
+        ({"prompt": "hi", "temperature": 5}, "temperature"),
+    ],
+)
+def test_bad_requests_name_the_field(server, body, param):
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
