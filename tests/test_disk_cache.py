@@ -6,6 +6,8 @@ Exactness reference: `helpers.fresh_greedy`, a full prefill on fresh caches of t
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import openai
 import pytest
@@ -204,3 +206,28 @@ def test_warm_prompts_are_prefilled_at_start(tiny):
                                       temperature=0, presence_penalty=0)  # fmt: skip
     system_end = prompt_of(tiny, messages).boundaries.system_end
     assert r.usage.prompt_tokens_details.cached_tokens >= system_end > 0
+
+
+def test_warm_prompts_file_is_checked_and_flags_parse(tiny, tmp_path):
+    from engine.cli import build_parser
+    from engine.serving.server import load_warm_prompts
+
+    good = tmp_path / "warm.json"
+    warm = [[{"role": "system", "content": "Tools here."}, {"role": "user", "content": "hi"}]]
+    good.write_text(json.dumps(warm))
+    assert load_warm_prompts(str(good), tiny) == warm
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([*warm, [{"role": "wizard", "content": "x"}]]))
+    with pytest.raises(ValueError, match=r"\[1\]: .*\(messages"):
+        load_warm_prompts(str(bad), tiny)
+    bad.write_text('{"messages": []}')
+    with pytest.raises(ValueError, match="list of message arrays"):
+        load_warm_prompts(str(bad), tiny)
+    args = build_parser().parse_args(
+        ["serve", "--cache-dir", "D", "--disk-cache-bytes", "1000", "--warm-prompts", "F"]
+    )
+    assert (args.cache_dir, args.disk_cache_bytes, args.warm_prompts) == ("D", 1000, "F")
+    assert (
+        not args.no_disk_cache
+        and build_parser().parse_args(["serve", "--no-disk-cache"]).no_disk_cache
+    )

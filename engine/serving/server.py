@@ -458,13 +458,13 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
         print(f"chatml serve: cannot listen on {args.host} port {args.port}: {e.strerror or e}",
               file=sys.stderr)  # fmt: skip
         return 1
-    try:
-        warm = load_warm_prompts(args.warm_prompts) if args.warm_prompts else None
-    except ValueError as e:
-        print(f"chatml serve: error: {e}", file=sys.stderr)
-        return 2
     with sock:
         eng = engine_pkg.load(args.model, cache_bytes=args.cache_bytes)
+        try:
+            warm = load_warm_prompts(args.warm_prompts, eng) if args.warm_prompts else None
+        except ValueError as e:
+            print(f"chatml serve: error: {e}", file=sys.stderr)
+            return 2
         if not args.no_disk_cache:
             from ..storage.disk_cache import DiskCacheBusy
 
@@ -497,8 +497,9 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
     return 0
 
 
-def load_warm_prompts(path: str) -> list:
-    """--warm-prompts FILE: a JSON list of message arrays (checked like a request's)."""
+def load_warm_prompts(path: str, engine) -> list:
+    """--warm-prompts FILE: a JSON list of message arrays, each checked and rendered as a
+    request's would be; ValueError naming the array and the field otherwise."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -508,7 +509,7 @@ def load_warm_prompts(path: str) -> list:
         raise ValueError(f"--warm-prompts {path}: expected a JSON list of message arrays")
     for i, messages in enumerate(data):
         try:
-            parse_request({"messages": messages})
+            Renderer(engine).render(parse_request({"messages": messages}))
         except ApiError as e:
             raise ValueError(f"--warm-prompts {path}: [{i}]: {e.message} ({e.param})") from None
     return data
