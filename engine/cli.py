@@ -236,6 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cached sequences kept for reuse")  # fmt: skip
     s.add_argument("--max-tokens", type=number(1), default=512,
                    help="answer limit if a request has none")  # fmt: skip
+    s.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="disk tier of the prefix cache: what leaves RAM, and everything at "
+                        "shutdown (default: CHATML_HOME/prefix-cache)")  # fmt: skip
+    s.add_argument("--disk-cache-bytes", type=number(1), default=None, metavar="N",
+                   help="disk cache budget, least recently used deleted first (default: 8 GiB "
+                        "or a tenth of the free space)")  # fmt: skip
+    s.add_argument("--no-disk-cache", action="store_true", help="keep the prefix cache in RAM only")
+    s.add_argument("--warm-prompts", default=None, metavar="FILE",
+                   help="JSON list of message arrays to prefill at start-up (system prompts, "
+                        "tool sets)")  # fmt: skip
     s.add_argument("--parse-special-in-content", action="store_true",
                    help="special tokens written in message text (<|im_end|>...) become control "
                         "tokens, as in transformers (default: ordinary text)")  # fmt: skip

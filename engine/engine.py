@@ -52,6 +52,8 @@ class Engine:
     _worker: ModelThread | None = field(default=None, repr=False)
     _worker_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _stateless: object = field(default=None, repr=False)
+    # The disk tier of the pool's prefix cache (engine/storage/disk_cache.py), if enabled.
+    disk: object = field(default=None, repr=False)
 
     @property
     def path(self) -> Path:
@@ -93,11 +95,40 @@ class Engine:
             return self._worker
 
     def close(self) -> None:
-        """Stop the model thread (after its running job); a later call starts a new one."""
+        """Stop the model thread (after its running job); a later call starts a new one.
+
+        The disk cache, if any, finishes its writes and releases its folder (it is detached)."""
         with self._worker_lock:
             worker, self._worker = self._worker, None
         if worker is not None:
             worker.stop()
+        self.detach_disk()
+
+    def attach_disk(self, directory=None, max_bytes: int | None = None, **options) -> object:
+        """Give the pool a disk tier in `directory` (see engine/storage/disk_cache.py): what
+        the budget evicts from pool sequences is kept there and read back when a prompt's
+        longest reusable prefix is there. Raises DiskCacheBusy if another process has it."""
+        from .storage.disk_cache import DiskCache
+
+        self.detach_disk()
+        self.disk = DiskCache(self, directory, max_bytes, **options)
+        self.budget.spill = self.disk.spill
+        return self.disk
+
+    def save_pool(self) -> None:
+        """Write every pool sequence's live end and last snapshots to the disk tier and wait
+        for the writes (a server shutting down: the next one resumes from there)."""
+        if self.disk is None or self._stateless is None:
+            return
+        pool = self._stateless.pool
+        self.worker.call(lambda: [self.disk.store_sequence(s) for s in pool.sequences])
+        self.disk.flush()
+
+    def detach_disk(self) -> None:
+        disk, self.disk = self.disk, None
+        if disk is not None:
+            self.budget.spill = None
+            disk.close()
 
     @property
     def stateless(self):
@@ -173,6 +204,8 @@ def load(
     dtype: str | None = None,
     chunked_delta: bool = True,
     cache_bytes: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    disk_cache_bytes: int | None = None,
 ) -> Engine:
     """Load a model: a models.yaml alias, a local checkpoint folder, or a Hub id.
 
@@ -184,6 +217,8 @@ def load(
     `cache_bytes` bounds all sessions' caches and snapshots (default: half of what the
     weights leave of the memory MLX may use on this device, see `runtime.memory`). Weights
     that cannot fit the device raise `CheckpointError` (with both sizes) before loading.
+    `cache_dir` gives `Engine.chat`'s pool a disk tier there, of at most `disk_cache_bytes`
+    (default: 8 GiB or a tenth of the free space, the lesser); see `Engine.attach_disk`.
     """
     path, entry = resolve(model)
     ckpt = inspect(path, entry)
@@ -211,4 +246,8 @@ def load(
     stops = tuple(tok.token_id(t) for t in ckpt.entry.stop_tokens)
     if cache_bytes is None:
         cache_bytes = memory.default_budget(need, mem)
-    return Engine(net, tok, ckpt.entry, ckpt, _DTYPES[name], stops, CacheBudget(cache_bytes))
+    eng = Engine(net, tok, ckpt.entry, ckpt, _DTYPES[name], stops, CacheBudget(cache_bytes))
+    if cache_dir is not None:
+        eng.attach_disk(cache_dir, disk_cache_bytes)
+        weakref.finalize(eng, eng.disk.close)  # its writes finish even if close() is not called
+    return eng

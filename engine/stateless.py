@@ -229,6 +229,8 @@ class StatelessChat:
             self.completed += 1  # counted before the caller can see the outcome
         if delta := out.flush():
             yield delta
+        if self.engine.disk is not None:  # its speed decides when a disk read beats a prefill
+            self.engine.disk.observe_prefill(progress.prefilled, progress.prefill_s)
         # The served sequence was exempt while it ran; now the budget holds for all.
         self.engine.budget.enforce()
         turn = make_turn(

@@ -16,12 +16,15 @@ from collections.abc import Sequence
 from .cache import KVCache
 from .generate import eval_caches
 from .sequence import CachedSequence
+from .snapshot import tick
 
 DEFAULT_SEQUENCES = 8
 
 
 class PooledSequence(CachedSequence):
     """A CachedSequence with the pool's bookkeeping."""
+
+    spillable = True  # evicted state goes to the engine's disk cache, if it has one
 
     def __init__(self, engine):
         super().__init__(engine)
@@ -70,6 +73,7 @@ class SequencePool:
         self.sequences: list[PooledSequence] = []
         self._clock = itertools.count(1)
         self.forks = 0
+        self.restores = 0  # prefixes read back from the disk cache
 
     def acquire(self, ids: Sequence[int], generation_start: int | None) -> PooledSequence:
         """The sequence to generate `ids` on: the one reusing the most (ties: least recent).
@@ -83,7 +87,11 @@ class SequencePool:
             r = seq.reusable(ids)
             if r > reuse:
                 best, reuse = seq, r
-        if best is None:
+        disk = getattr(self.engine, "disk", None)
+        entry = disk.lookup(ids, above=reuse) if disk is not None else None
+        if entry is not None and (seq := self._from_disk(disk, entry, exclude=best)):
+            pass
+        elif best is None:
             seq = self._slot(exclude=None)
         elif reuse >= best.protected:
             seq = best
@@ -95,6 +103,20 @@ class SequencePool:
                 self.engine.budget.enforce(active=seq)
         seq.stamp = next(self._clock)
         seq.protected = generation_start if generation_start is not None else len(ids)
+        return seq
+
+    def _from_disk(self, disk, entry, exclude) -> PooledSequence | None:
+        """A slot holding a disk entry's prefix (None if the entry failed its checks)."""
+        restored = disk.restore(entry)
+        if restored is None:
+            return None
+        seq = self._slot(exclude=exclude)
+        disk.spill(seq, None)  # the slot's own state (if any) goes to disk, not away
+        seq.drop_cache()
+        seq.tokens, seq.caches = restored
+        seq.last_used = tick()
+        self.restores += 1
+        self.engine.budget.enforce(active=seq)
         return seq
 
     def resize(self, size: int) -> None:

@@ -58,6 +58,7 @@ class CachedSequence:
         self.tokens: list[int] = []  # exactly the ids the live caches have consumed
         self.caches = engine.model.make_caches()
         self.snapshots: dict[int, snapshot.Snapshot] = {}
+        self.filling: list[int] = []  # the ids being prefilled: snapshots past `tokens` lie on them
         self.last_used = snapshot.tick()
         engine.budget.register(self)
 
@@ -75,6 +76,10 @@ class CachedSequence:
             self.tokens, self.caches, self.snapshots = list(tokens), caches, dict(snapshots)
             self.last_used = snapshot.tick()
             self.engine.budget.enforce(active=self)
+
+    def prefix(self, pos: int) -> list[int]:
+        """The ids up to a snapshot position or the live end (mid-prefill ones included)."""
+        return list(self.tokens[:pos] if pos <= len(self.tokens) else self.filling[:pos])
 
     def drop_cache(self) -> None:
         self.tokens, self.snapshots = [], {}
@@ -116,6 +121,7 @@ class CachedSequence:
             undo = progress.undo = _Undo(list(self.tokens), dict(self.snapshots), self._live())
             try:
                 progress.reused = undo.restored_at = self._restore(ids)
+                self.filling = ids
                 progress.prefilled = len(ids) - progress.reused
                 t = time.perf_counter()
                 stops = sorted({p for p in stops if 0 < p <= len(ids)} | {len(ids)})
@@ -181,6 +187,7 @@ class CachedSequence:
         """
         with self.engine.lock:
             start = self._restore(ids, need_logits=False)
+            self.filling = ids
             stops = sorted({p for p in stops if 0 < p <= len(ids)} | {len(ids)})
             try:
                 _, end = prefill(

@@ -75,6 +75,9 @@ class CacheBudget:
         # Sessions are made on any thread while the model thread walks the set.
         self._lock = threading.Lock()
         self.evictions = 0
+        # Called as spill(sequence, pos) before evicting its snapshot at pos (None: its live
+        # cache): the disk tier (engine/storage/disk_cache.py) keeps a copy there.
+        self.spill = None
 
     def register(self, sequence) -> None:
         with self._lock:
@@ -98,6 +101,8 @@ class CacheBudget:
             if not items:
                 return
             _, seq, pos = min(items, key=lambda item: item[0])
+            if self.spill is not None:
+                self.spill(seq, pos)
             if pos is None:
                 used -= seq.cache_bytes
                 seq.drop_cache()

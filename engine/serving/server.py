@@ -101,6 +101,8 @@ class ServerConfig:
     # checkpoint's generation_config.json, then OpenAI's defaults.
     sampling: dict | None = None
     responses_kept: int = responses.KEPT_RESPONSES  # for previous_response_id
+    # Message arrays prefilled at start-up (--warm-prompts), before the first request.
+    warm_prompts: list | None = None
 
 
 # ----- HTTP ---------------------------------------------------------------------------------
@@ -196,10 +198,32 @@ class ServerApp:
     async def _lifespan(self, app) -> AsyncIterator[None]:
         pool = self.worker.pool
         await anyio.to_thread.run_sync(self.engine.worker.call, pool.resize, self.config.sequences)
+        if self.config.warm_prompts:
+            await anyio.to_thread.run_sync(self._warm_prompts)
         try:
             yield
         finally:
             await anyio.to_thread.run_sync(self._cancel_jobs)
+            # The next server on the same cache folder resumes these conversations.
+            await anyio.to_thread.run_sync(self.engine.save_pool)
+
+    def _warm_prompts(self) -> None:
+        """Prefill each --warm-prompts conversation into the pool (snapshots at its boundaries,
+        so a request sharing its system prompt or tools reuses it), then to disk if enabled."""
+        chat = self.worker
+        for i, messages in enumerate(self.config.warm_prompts):
+            prepared = chat.prepare(parse_request({"messages": messages}), window=self.window,
+                                    openai=True, renderer=self.renderer)  # fmt: skip
+            prompt = prepared.prompt
+
+            def fill(prompt=prompt) -> None:
+                seq = chat.pool.acquire(prompt.ids, None)
+                seq.extend(prompt.ids, stops=prompt.boundaries.points())
+                if self.engine.disk is not None:
+                    self.engine.disk.store_sequence(seq)
+
+            self.engine.worker.call(fill)
+            log.info("warm prompt %d: %d tokens prefilled", i, len(prompt.ids))
 
     def _cancel_jobs(self) -> None:
         """At shutdown: this server's requests stop at their next token (the engine goes on)."""
@@ -629,17 +653,56 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
         return 1
     with sock:
         eng = engine_pkg.load(args.model, cache_bytes=args.cache_bytes)
+        try:
+            warm = load_warm_prompts(args.warm_prompts, eng) if args.warm_prompts else None
+        except ValueError as e:
+            print(f"chatml serve: error: {e}", file=sys.stderr)
+            return 2
+        if not args.no_disk_cache:
+            from ..storage.disk_cache import DiskCacheBusy
+
+            try:
+                eng.attach_disk(args.cache_dir, args.disk_cache_bytes)
+            except DiskCacheBusy as e:
+                print(f"chatml serve: error: {e}", file=sys.stderr)
+                return 1
         defaults = {**eng.sampling_defaults, **(sampling or {})}
         config = ServerConfig(
             model=args.model, host=args.host, port=args.port, api_key=api_key,
             sequences=args.sequences, max_tokens=args.max_tokens, sampling=defaults,
             special_tokens_in_content="parse" if args.parse_special_in_content else "text",
+            warm_prompts=warm,
         )  # fmt: skip
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
         print(f"chatml serve: {args.model} on {url}", flush=True)
         shown = describe(defaults) if defaults else "OpenAI's (temperature 1, top_p 1)"
         print(f"  sampling defaults (a request's fields replace them): {shown}", flush=True)
+        if eng.disk is not None:
+            d = eng.disk
+            print(f"  disk cache: {d.dir} ({d.entries} prefixes, budget "
+                  f"{d.max_bytes / (1 << 30):.1f} GiB)", flush=True)  # fmt: skip
         server = uvicorn.Server(uvicorn.Config(create_app(eng, config), log_level="info"))
-        server.run(sockets=[sock])
+        try:
+            server.run(sockets=[sock])
+        finally:
+            eng.close()  # the disk cache's writes finish, its folder is released
     return 0
+
+
+def load_warm_prompts(path: str, engine) -> list:
+    """--warm-prompts FILE: a JSON list of message arrays, each checked and rendered as a
+    request's would be; ValueError naming the array and the field otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--warm-prompts {path}: {e}") from None
+    if not isinstance(data, list) or not all(isinstance(m, list) and m for m in data):
+        raise ValueError(f"--warm-prompts {path}: expected a JSON list of message arrays")
+    for i, messages in enumerate(data):
+        try:
+            Renderer(engine).render(parse_request({"messages": messages}))
+        except ApiError as e:
+            raise ValueError(f"--warm-prompts {path}: [{i}]: {e.message} ({e.param})") from None
+    return data

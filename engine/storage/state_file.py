@@ -82,9 +82,18 @@ class CapturedState:
         return save(self.tensors, metadata={**self.meta, "sha256": _digest(self.tensors)})
 
 
-def capture_state(seq, engine) -> CapturedState:
-    """Copy a CachedSequence's tokens, live caches and kept snapshots (call with the model held)."""
-    tensors: dict[str, np.ndarray] = {"tokens": np.asarray(seq.tokens, dtype=np.int32)}
+def capture_state(seq, engine, pos: int | None = None) -> CapturedState:
+    """Copy a CachedSequence's tokens, live caches and kept snapshots (call with the model held).
+
+    With `pos` (a snapshot position, or the live end): only the prefix of `pos` tokens, with
+    no snapshots: its KV rows below `pos` (still valid, see runtime.snapshot) and the
+    snapshot's recurrent state. That is one entry of the server's disk cache.
+    """
+    prefix = None
+    if pos is not None and pos != len(seq.tokens):
+        prefix = seq.snapshots[pos].layers
+    tokens = seq.tokens if pos is None else seq.prefix(pos)
+    tensors: dict[str, np.ndarray] = {"tokens": np.asarray(tokens, dtype=np.int32)}
     views: dict[str, str] = {}
 
     def put(name: str, a: mx.array | None) -> None:
@@ -97,17 +106,18 @@ def capture_state(seq, engine) -> CapturedState:
     for i, c in enumerate(seq.caches):
         if isinstance(c, KVCache):
             kinds.append("kv")
-            offsets.append(c.offset)
+            offsets.append(len(tokens))
             if c.state is not None:
-                put(f"kv.{i}.keys", c.state[0])
-                put(f"kv.{i}.values", c.state[1])
+                put(f"kv.{i}.keys", c.state[0][:, :, : len(tokens)])
+                put(f"kv.{i}.values", c.state[1][:, :, : len(tokens)])
         else:
             kinds.append("rec")
-            offsets.append(c.offset)
-            put(f"rec.{i}.conv", c.conv)
-            put(f"rec.{i}.state", c.state)
+            conv, state, offset = (c.conv, c.state, c.offset) if prefix is None else prefix[i]
+            offsets.append(offset)
+            put(f"rec.{i}.conv", conv)
+            put(f"rec.{i}.state", state)
     positions = sorted(p for p in seq.snapshots if 0 < p <= len(seq.tokens))
-    positions = sorted(set(positions[:1] + positions[-SNAPSHOTS_KEPT:]))
+    positions = sorted(set(positions[:1] + positions[-SNAPSHOTS_KEPT:])) if pos is None else []
     for p in positions:
         for i, layer in enumerate(seq.snapshots[p].layers):
             if layer is not None:
@@ -118,7 +128,7 @@ def capture_state(seq, engine) -> CapturedState:
         "version": str(VERSION),
         "fingerprint": engine.fingerprint,
         "dtype": str(engine.dtype),
-        "key": state_key(seq.tokens),
+        "key": state_key(tokens),
         "kinds": json.dumps(kinds),
         "offsets": json.dumps(offsets),
         "snapshots": json.dumps(positions),

@@ -1,0 +1,307 @@
+"""The disk tier of the prefix cache: cached token prefixes that left RAM, as state files.
+
+An entry is one token prefix with everything needed to resume after it (the attention KV rows
+and the recurrent state at its end), encoded by `state_file` (the CLI's persisted sessions use
+the same code). Entries live in `DIR/<namespace>/<n>-<key>.safetensors`: the namespace names
+the weights (fingerprint), the dtype and the tokenizer files, the key is the content hash of
+the `n` token ids. So a lookup needs no file reads: hash the prompt's first `n` ids for each
+length `n` on disk.
+
+Writes are atomic (temporary file, fsync, rename), so a crash leaves at most a temporary file,
+which is never indexed and is deleted at the next start. Every read is checked in full by
+`decode_state` (format, fingerprint, dtype, checksum, token key, layer shapes); an entry that
+fails is deleted with a warning and the request prefills instead. One process owns a DIR at a
+time (an exclusive lock on `DIR/lock`): a second one is refused with `DiskCacheBusy`, so two
+servers never evict or write under each other.
+
+Threads: `store` copies the arrays out of MLX on the model thread (numpy from then on); a
+writer thread checksums, encodes and writes; `lookup` and `restore` run on the model thread.
+The LRU size budget covers every entry under DIR (all namespaces), oldest use first.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..paths import atomic_write, chatml_home
+from .state_file import StateError, capture_state, decode_state, state_key
+
+log = logging.getLogger("chatml.disk_cache")
+
+GiB = 1 << 30
+DEFAULT_BYTES = 8 * GiB  # at most; never more than a tenth of the free space (default_bytes)
+MIN_TOKENS = 32  # a shorter gain is prefilled: not worth a file read
+INITIAL_READ_BPS = 200e6  # until a read is measured: a slow SSD, read + checksum + decode
+_NAME = re.compile(r"^(\d+)-([0-9a-f]{32})\.safetensors$")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+class DiskCacheBusy(RuntimeError):
+    """Another process holds the cache folder."""
+
+
+def default_dir() -> Path:
+    return chatml_home() / "prefix-cache"
+
+
+def default_bytes(directory: Path) -> int:
+    """DEFAULT_BYTES, or a tenth of the free space on that disk if that is less."""
+    directory.mkdir(parents=True, exist_ok=True)
+    st = os.statvfs(directory)
+    return min(DEFAULT_BYTES, st.f_bavail * st.f_frsize // 10)
+
+
+def namespace(engine) -> str:
+    """Names what makes a state valid: the weights, the dtype, the tokenizer (and template)."""
+    h = hashlib.sha256(f"{engine.fingerprint}|{engine.dtype}".encode())
+    for name in _TOKENIZER_FILES:
+        path = Path(engine.path) / name
+        if path.is_file():
+            h.update(name.encode() + b"|" + hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+def worth_reading(nbytes: int, gain: int, read_bps: float, prefill_tps: float | None,
+                  min_tokens: int = MIN_TOKENS) -> bool:  # fmt: skip
+    """Is reading `nbytes` faster than prefilling the `gain` tokens it saves?"""
+    if gain < min_tokens:
+        return False
+    return prefill_tps is None or nbytes / read_bps < gain / prefill_tps
+
+
+@dataclass
+class Entry:
+    path: Path
+    tokens: int  # how many token ids it holds (0: another namespace's, never looked up)
+    key: str
+    nbytes: int
+    used: float  # last use (file mtime): the LRU order
+
+
+class DiskCache:
+    """Cached prefixes on disk for one engine: `store`, `lookup`, `restore`; `close` at the end."""
+
+    def __init__(self, engine, directory: str | os.PathLike | None = None,
+                 max_bytes: int | None = None, *, min_tokens: int = MIN_TOKENS):  # fmt: skip
+        self.engine = engine
+        self.dir = Path(directory) if directory is not None else default_dir()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = default_bytes(self.dir) if max_bytes is None else max_bytes
+        self.min_tokens = min_tokens
+        self.read_bps = INITIAL_READ_BPS
+        self.prefill_tps: float | None = None  # measured by the caller (observe_prefill)
+        self.writes = self.reads = self.rejected = 0
+        self._lock_file = self._acquire_lock()
+        self.ns = self.dir / namespace(engine)
+        self.ns.mkdir(exist_ok=True)
+        self._index: dict[Path, Entry] = {}
+        self._guard = threading.Lock()  # the index: the writer thread adds, the model thread reads
+        self._pending: set[str] = set()  # keys queued for writing
+        self._queue: queue.Queue = queue.Queue()
+        self._scan()
+        self._writer = threading.Thread(target=self._write_loop, name="chatml-disk", daemon=True)
+        self._writer.start()
+
+    # ----- opening ----------------------------------------------------------------------
+
+    def _acquire_lock(self):
+        f = open(self.dir / "lock", "a+b")  # noqa: SIM115  (held until close)
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise DiskCacheBusy(
+                f"the disk cache {self.dir} is in use by another process; give this one another "
+                "--cache-dir or --no-disk-cache"
+            ) from None
+        return f
+
+    def _scan(self) -> None:
+        """Index every entry under DIR; delete temporary files a crash left (we hold the lock)."""
+        for path in self.dir.glob("*/*"):
+            if path.name.endswith(".tmp"):
+                path.unlink(missing_ok=True)
+                continue
+            m = _NAME.match(path.name)
+            if m is None or not path.is_file():
+                continue
+            st = path.stat()
+            ours = path.parent == self.ns
+            self._index[path] = Entry(path, int(m[1]) if ours else 0, m[2], st.st_size,
+                                      st.st_mtime)  # fmt: skip
+
+    @property
+    def entries(self) -> int:
+        """Entries of this engine's namespace."""
+        with self._guard:
+            return sum(1 for e in self._index.values() if e.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        with self._guard:
+            return sum(e.nbytes for e in self._index.values())
+
+    # ----- writing (capture on the model thread, the rest on the writer) ----------------
+
+    def _path(self, n: int, key: str) -> Path:
+        return self.ns / f"{n}-{key}.safetensors"
+
+    def store(self, seq, pos: int) -> bool:
+        """Queue `seq`'s prefix of `pos` tokens (a snapshot position or its live end) for
+        writing; False if it is already on disk or queued. Call on the model thread."""
+        if pos < self.min_tokens:
+            return False  # too short to be worth a read
+        key = state_key(seq.prefix(pos))
+        path = self._path(pos, key)
+        with self._guard:
+            if path in self._index:
+                self._touch(self._index[path])
+                return False
+            if key in self._pending:
+                return False
+            self._pending.add(key)
+        self._queue.put((path, key, pos, capture_state(seq, self.engine, pos)))
+        return True
+
+    def store_sequence(self, seq, snapshots: int = 2) -> None:
+        """Queue a sequence's live end and its `snapshots` deepest snapshots below it (where
+        its conversation's next request resumes: the last answer's start)."""
+        if not seq.tokens:
+            return
+        self.store(seq, len(seq.tokens))
+        for p in sorted((p for p in seq.snapshots if p < len(seq.tokens)), reverse=True)[
+            :snapshots
+        ]:
+            self.store(seq, p)
+
+    def spill(self, seq, pos: int | None) -> None:
+        """CacheBudget's hook, before it evicts: a snapshot at `pos`, or (None) the live cache.
+        Only pool sequences spill (the ones `SequencePool` can restore from here)."""
+        if not getattr(seq, "spillable", False):
+            return
+        try:
+            if pos is None:
+                self.store_sequence(seq)
+            else:
+                self.store(seq, pos)
+        except Exception as e:  # the disk tier is an optimisation: eviction goes on
+            log.warning("could not keep an evicted prefix on disk: %r", e)
+
+    def flush(self) -> None:
+        """Wait until every queued entry is written."""
+        self._queue.join()
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                path, key, n, captured = item
+                try:
+                    atomic_write(path, captured.encode())
+                except OSError as e:
+                    log.warning("%s: not written (%s); that prefix will be prefilled", path, e)
+                    continue
+                finally:
+                    with self._guard:
+                        self._pending.discard(key)
+                with self._guard:
+                    self._index[path] = Entry(path, n, key, path.stat().st_size, time.time())
+                    self.writes += 1
+                    self._evict()
+            finally:
+                self._queue.task_done()
+
+    def _evict(self) -> None:
+        """Delete least recently used entries until the folder fits the budget (guard held)."""
+        total = sum(e.nbytes for e in self._index.values())
+        for entry in sorted(self._index.values(), key=lambda e: e.used):
+            if total <= self.max_bytes:
+                break
+            entry.path.unlink(missing_ok=True)
+            del self._index[entry.path]
+            total -= entry.nbytes
+
+    def _touch(self, entry: Entry) -> None:
+        entry.used = time.time()
+        try:
+            os.utime(entry.path, (entry.used, entry.used))  # the LRU order survives a restart
+        except OSError:
+            pass
+
+    # ----- reading (model thread) --------------------------------------------------------
+
+    def lookup(self, ids, *, above: int = 0, need_logits: bool = True) -> Entry | None:
+        """The longest entry that is a prefix of `ids`, holds more than `above` tokens, and
+        is worth reading instead of prefilling the difference; None if there is none."""
+        limit = len(ids) - 1 if need_logits else len(ids)  # the last token's logits are needed
+        with self._guard:
+            ours = [e for e in self._index.values() if above < e.tokens <= limit]
+        by_length: dict[int, list[Entry]] = {}
+        for e in ours:
+            by_length.setdefault(e.tokens, []).append(e)
+        for n in sorted(by_length, reverse=True):
+            key = state_key(ids[:n])
+            for e in by_length[n]:
+                if e.key == key:
+                    gain = n - above
+                    ok = worth_reading(e.nbytes, gain, self.read_bps, self.prefill_tps,
+                                       self.min_tokens)  # fmt: skip
+                    return e if ok else None
+        return None
+
+    def restore(self, entry: Entry):
+        """(tokens, caches) of an entry, checked in full; None (entry deleted) if unusable."""
+        t = time.perf_counter()
+        try:
+            data = entry.path.read_bytes()
+            tokens, caches, _ = decode_state(data, self.engine, entry.key)
+        except (OSError, StateError) as e:
+            log.warning("%s: skipped and deleted (%s)", entry.path, e)
+            self.rejected += 1
+            self._forget(entry)
+            return None
+        if len(tokens) != entry.tokens:
+            log.warning("%s: skipped and deleted (holds %d tokens)", entry.path, len(tokens))
+            self.rejected += 1
+            self._forget(entry)
+            return None
+        elapsed = time.perf_counter() - t
+        if elapsed > 0 and len(data) > 1 << 20:  # small reads measure latency, not speed
+            self.read_bps = 0.5 * self.read_bps + 0.5 * len(data) / elapsed
+        with self._guard:
+            self._touch(entry)
+        self.reads += 1
+        return tokens, caches
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill's speed (the other side of `worth_reading`); long ones only."""
+        if tokens >= 64 and seconds > 0:
+            tps = tokens / seconds
+            self.prefill_tps = tps if self.prefill_tps is None else 0.5 * (self.prefill_tps + tps)
+
+    def _forget(self, entry: Entry) -> None:
+        entry.path.unlink(missing_ok=True)
+        with self._guard:
+            self._index.pop(entry.path, None)
+
+    # ----- lifetime ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish the queued writes, stop the writer, release the folder."""
+        if self._lock_file is None:
+            return
+        self._queue.put(None)
+        self._writer.join()
+        self._lock_file.close()
+        self._lock_file = None

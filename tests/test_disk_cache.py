@@ -1,0 +1,233 @@
+"""The disk tier of the pool's prefix cache (engine/storage/disk_cache.py), on `tiny`.
+
+Exactness reference: `helpers.fresh_greedy`, a full prefill on fresh caches of the same ids
+(on the session's `tiny` engine, which has no disk tier), and `test_server.fresh_answer`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import openai
+import pytest
+from helpers import QUESTIONS, fresh_greedy
+from test_server import fresh_answer, prompt_of
+
+import engine
+from engine.paths import atomic_write
+from engine.runtime.generate import prefill
+from engine.runtime.pool import PooledSequence
+from engine.serving.server import BackgroundServer, ServerConfig
+from engine.storage.disk_cache import DiskCache, DiskCacheBusy, worth_reading
+from engine.storage.state_file import capture_state
+
+SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 6}
+
+
+@pytest.fixture(scope="module")
+def eng():
+    """A tiny engine of its own: the tests attach disk tiers and change its budget."""
+    e = engine.load("tiny")
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def disk(eng, tmp_path):
+    eng.stateless.pool.sequences.clear()
+    d = eng.attach_disk(tmp_path / "cache", 1 << 30, min_tokens=8)
+    yield d
+    eng.detach_disk()
+    eng.stateless.pool.sequences.clear()
+
+
+def conversation(n: int) -> list:
+    return [SYSTEM, {"role": "user", "content": QUESTIONS[n]}]
+
+
+def prefix_seq(eng, ids, stops=()):
+    seq = PooledSequence(eng)
+    seq.extend(list(ids), stops=stops)
+    return seq
+
+
+def test_restored_prefix_equals_a_fresh_prefill(tiny, eng, disk):
+    ids = prompt_of(eng, conversation(0)).ids
+    n = len(ids) - 9
+    with eng.lock:
+        seq = prefix_seq(eng, ids[: n + 4], stops=[n])  # one entry at a snapshot, one at the end
+        assert disk.store(seq, n) and disk.store(seq, n + 4)
+        disk.flush()
+        ref_tokens, ref_logits = fresh_greedy(tiny, ids)
+        for pos in (n, n + 4):
+            entry = disk.lookup(ids[: pos + 1])  # the longest entry within pos
+            assert entry is not None and entry.tokens == pos
+            tokens, caches = disk.restore(entry)
+            assert tokens == ids[:pos]
+            logits, _ = prefill(eng.model, caches, ids, pos)
+            assert mx.abs(logits - ref_logits).max().item() < 1e-4
+            out, token = [], mx.argmax(logits).item()
+            while len(out) < len(ref_tokens):
+                out.append(token)
+                token = mx.argmax(eng.model(mx.array([[token]]), caches)[0, -1]).item()
+            assert out == ref_tokens
+
+
+def test_chat_evicted_to_disk_and_back_gives_the_same_answer(tiny, eng, disk):
+    eng.budget.max_bytes = 1  # everything leaves RAM after each answer
+    try:
+        messages = conversation(1)
+        first = eng.chat(messages, max_tokens=4, warm=False)
+        assert not any(s.cache_bytes for s in eng.stateless.pool.sequences)
+        disk.flush()
+        messages += [first.message(), {"role": "user", "content": QUESTIONS[2]}]
+        second = eng.chat(messages, max_tokens=4, warm=False)
+    finally:
+        eng.budget.max_bytes = 1 << 40
+    assert eng.stateless.pool.restores == 1
+    assert second.stats.reused_tokens >= len(first.prompt_ids) - 1 - 8  # up to its answer
+    assert second.token_ids == fresh_greedy(tiny, second.prompt_ids, 4)[0]
+
+
+def test_restarted_server_resumes_from_disk(tiny, tmp_path):
+    cache = tmp_path / "cache"
+    messages = [SYSTEM]
+    for stop in range(2):  # two servers in sequence, each a fresh engine on the same folder
+        e = engine.load("tiny", cache_dir=cache)
+        config = ServerConfig(port=0, context_window=4096, warm=False)
+        with BackgroundServer(e, config) as srv:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+            for turn in range(3 if stop == 0 else 1):
+                messages.append({"role": "user", "content": QUESTIONS[3 + turn + 3 * stop]})
+                r = c.chat.completions.create(
+                    model="tiny", messages=messages, max_tokens=4, temperature=0,
+                    presence_penalty=0,
+                )  # fmt: skip
+                answer = r.choices[0].message.content
+                assert answer == fresh_answer(tiny, messages, max_tokens=4)
+                if stop == 1:  # the first request after the restart
+                    before = prompt_of(tiny, messages[:-2]).boundaries.generation_start
+                    assert r.usage.prompt_tokens_details.cached_tokens >= before
+                    assert e.stateless.pool.restores == 1
+                messages.append({"role": "assistant", "content": answer})
+        e.close()
+    assert not list(cache.glob("*/*.tmp"))
+
+
+def test_damaged_truncated_and_foreign_entries_are_deleted_not_loaded(eng, disk, caplog):
+    ids = prompt_of(eng, conversation(4)).ids
+    with eng.lock:
+        seq = prefix_seq(eng, ids[:-1], stops=[len(ids) - k for k in (30, 20, 10)])
+        for pos in (len(ids) - 20, len(ids) - 10, len(ids) - 1):
+            disk.store(seq, pos)
+        disk.flush()
+        # A foreign entry: another model's fingerprint, under a name that matches these ids.
+        captured = capture_state(seq, eng, len(ids) - 30)
+        captured.meta["fingerprint"] = "another-model"
+        foreign = disk._path(len(ids) - 30, captured.meta["key"])
+        atomic_write(foreign, captured.encode())
+    by_len = {int(p.name.split("-")[0]): p for p in disk.ns.glob("*.safetensors")}
+    truncated, flipped = by_len[len(ids) - 1], by_len[len(ids) - 10]
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    data = bytearray(flipped.read_bytes())
+    data[-5] ^= 0xFF  # a flipped bit in the tensor bytes: only the checksum can tell
+    flipped.write_bytes(bytes(data))
+    reopened = eng.attach_disk(disk.dir, 1 << 30, min_tokens=8)  # a restart indexes all four
+    assert reopened.entries == 4
+    with eng.lock:
+        for gone in (truncated, flipped):
+            entry = reopened.lookup(ids)
+            assert entry.path == gone and reopened.restore(entry) is None
+            assert not gone.exists()
+        good = reopened.lookup(ids)
+        assert good.tokens == len(ids) - 20 and reopened.restore(good) is not None
+        # The foreign one is shorter than the good one: read it directly.
+        foreign_entry = next(e for e in reopened._index.values() if e.path == foreign)
+        assert reopened.restore(foreign_entry) is None and not foreign.exists()
+    assert reopened.rejected == 3
+    assert "skipped and deleted" in caplog.text
+
+
+def test_disk_budget_deletes_least_recently_used(eng, disk):
+    ids = [prompt_of(eng, conversation(n)).ids for n in (5, 6, 7)]
+    with eng.lock:
+        seqs = [prefix_seq(eng, x[:-1]) for x in ids]
+        disk.store(seqs[0], len(ids[0]) - 1)
+        disk.flush()
+        size = disk.nbytes
+        disk.max_bytes = int(size * 2.5)  # room for two entries of about this size
+        disk.store(seqs[1], len(ids[1]) - 1)
+        disk.flush()
+        assert disk.restore(disk.lookup(ids[0])) is not None  # used: now the most recent
+        disk.store(seqs[2], len(ids[2]) - 1)
+        disk.flush()
+    assert disk.nbytes <= disk.max_bytes
+    held = {e.tokens for e in disk._index.values()}
+    assert held == {len(ids[0]) - 1, len(ids[2]) - 1}  # the second one, least recent, went
+
+
+def test_crash_mid_write_leaves_nothing_that_loads(eng, disk, tmp_path):
+    ids = prompt_of(eng, conversation(8)).ids
+    with eng.lock:
+        seq = prefix_seq(eng, ids[:-1])
+        data = capture_state(seq, eng, len(ids) - 1).encode()
+    # What atomic_write leaves when the process dies before its rename.
+    name = f"{len(ids) - 1}-{'0' * 32}.safetensors"
+    tmp = disk.ns / f".{name}.abc123.tmp"
+    tmp.write_bytes(data[: len(data) // 2])
+    reopened = eng.attach_disk(disk.dir, 1 << 30, min_tokens=8)
+    assert reopened.entries == 0 and reopened.lookup(ids) is None
+    assert not tmp.exists()
+
+
+def test_second_process_on_the_folder_is_refused(eng, disk):
+    with pytest.raises(DiskCacheBusy, match="in use"):
+        DiskCache(eng, disk.dir)
+    disk.close()
+    DiskCache(eng, disk.dir).close()  # free again once the first lets go
+
+
+def test_read_or_prefill_decision():
+    assert not worth_reading(1 << 20, 4, 1e9, 10.0)  # too short to bother
+    assert worth_reading(100 << 20, 1000, 1e9, 50.0)  # 0.1 s read vs 20 s prefill
+    assert not worth_reading(1 << 30, 100, 1e8, 1000.0)  # 10 s read vs 0.1 s prefill
+    assert worth_reading(1 << 30, 100, 1e8, None)  # no prefill measured yet: read
+
+
+def test_warm_prompts_are_prefilled_at_start(tiny):
+    warm = [conversation(9)]
+    config = ServerConfig(port=0, context_window=4096, warm=False, warm_prompts=warm)
+    tiny.stateless.pool.sequences.clear()
+    with BackgroundServer(tiny, config) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        messages = [SYSTEM, {"role": "user", "content": "Another question entirely."}]
+        r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                      temperature=0, presence_penalty=0)  # fmt: skip
+    system_end = prompt_of(tiny, messages).boundaries.system_end
+    assert r.usage.prompt_tokens_details.cached_tokens >= system_end > 0
+
+
+def test_warm_prompts_file_is_checked_and_flags_parse(tiny, tmp_path):
+    from engine.cli import build_parser
+    from engine.serving.server import load_warm_prompts
+
+    good = tmp_path / "warm.json"
+    warm = [[{"role": "system", "content": "Tools here."}, {"role": "user", "content": "hi"}]]
+    good.write_text(json.dumps(warm))
+    assert load_warm_prompts(str(good), tiny) == warm
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([*warm, [{"role": "wizard", "content": "x"}]]))
+    with pytest.raises(ValueError, match=r"\[1\]: .*\(messages"):
+        load_warm_prompts(str(bad), tiny)
+    bad.write_text('{"messages": []}')
+    with pytest.raises(ValueError, match="list of message arrays"):
+        load_warm_prompts(str(bad), tiny)
+    args = build_parser().parse_args(
+        ["serve", "--cache-dir", "D", "--disk-cache-bytes", "1000", "--warm-prompts", "F"]
+    )
+    assert (args.cache_dir, args.disk_cache_bytes, args.warm_prompts) == ("D", 1000, "F")
+    assert (
+        not args.no_disk_cache
+        and build_parser().parse_args(["serve", "--no-disk-cache"]).no_disk_cache
+    )
