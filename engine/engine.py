@@ -26,6 +26,7 @@ from .checkpoints.tokenizer import Tokenizer
 from .runtime import memory
 from .runtime.model import ModelOptions, Qwen35
 from .runtime.snapshot import CacheBudget
+from .runtime.speculative import LookupDrafter, Speculation
 from .runtime.worker import ModelThread
 
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -52,6 +53,8 @@ class Engine:
     _worker: ModelThread | None = field(default=None, repr=False)
     _worker_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _stateless: object = field(default=None, repr=False)
+    # Speculative decoding for every answer whose sampler allows it (None: plain decoding).
+    speculative: Speculation | None = None
 
     @property
     def path(self) -> Path:
@@ -173,6 +176,8 @@ def load(
     dtype: str | None = None,
     chunked_delta: bool = True,
     cache_bytes: int | None = None,
+    speculative: str | None = None,
+    num_draft: int = 4,
 ) -> Engine:
     """Load a model: a models.yaml alias, a local checkpoint folder, or a Hub id.
 
@@ -184,7 +189,10 @@ def load(
     `cache_bytes` bounds all sessions' caches and snapshots (default: half of what the
     weights leave of the memory MLX may use on this device, see `runtime.memory`). Weights
     that cannot fit the device raise `CheckpointError` (with both sizes) before loading.
+    `speculative="lookup"` drafts up to `num_draft` tokens by prompt lookup and verifies them
+    in one step (greedy output unchanged; samplers with penalties or a grammar decode plainly).
     """
+    spec = speculation(speculative, num_draft)
     path, entry = resolve(model)
     ckpt = inspect(path, entry)
     name = dtype or ckpt.entry.compute_dtype.get(backend(), "float32")
@@ -211,4 +219,25 @@ def load(
     stops = tuple(tok.token_id(t) for t in ckpt.entry.stop_tokens)
     if cache_bytes is None:
         cache_bytes = memory.default_budget(need, mem)
-    return Engine(net, tok, ckpt.entry, ckpt, _DTYPES[name], stops, CacheBudget(cache_bytes))
+    eng = Engine(net, tok, ckpt.entry, ckpt, _DTYPES[name], stops, CacheBudget(cache_bytes))
+    eng.speculative = spec
+    return eng
+
+
+SPECULATIVE = ("lookup", "mtp")
+
+
+def speculation(name: str | None, num_draft: int = 4) -> Speculation | None:
+    """The `speculative=` option of `load` as a `Speculation` (None: off)."""
+    if isinstance(num_draft, bool) or not isinstance(num_draft, int) or not 1 <= num_draft <= 8:
+        raise ValueError(f"num_draft must be an integer from 1 to 8, got {num_draft!r}")
+    if name is None:
+        return None
+    if name == "lookup":
+        return Speculation(LookupDrafter, num_draft)
+    if name == "mtp":
+        raise ValueError(
+            "speculative='mtp' is not available yet: the engine does not load the checkpoint's "
+            "mtp.* layer; use speculative='lookup'"
+        )
+    raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)} or None, got {name!r}")
