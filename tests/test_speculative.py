@@ -268,3 +268,29 @@ def test_sampled_speculation_stays_in_the_top_k_of_a_fresh_prefill(tiny, truth):
     for i, t in enumerate(out):
         logits, _ = prefill(tiny.model, tiny.model.make_caches(), PROMPT + out[:i], 0)
         assert t in np.argsort(np.array(logits))[-3:]
+
+
+def test_the_server_answers_with_speculation_as_a_fresh_prefill_does(spec_engine):
+    import openai
+
+    from engine.serving.server import BackgroundServer, ServerConfig
+
+    eng = spec_engine
+    eng.speculative = Speculation(lambda: Oracle(eng, 0.3), 3, adaptive=False)
+    with BackgroundServer(eng, ServerConfig(port=0, context_window=4096, warm=False)) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": QUESTIONS[2]}]
+        for _ in range(2):  # the second time from the pool's cached sequence
+            r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
+                                          temperature=0, presence_penalty=0)  # fmt: skip
+            turn = eng.chat(messages, max_tokens=8)  # the Python API, same engine
+            assert r.choices[0].message.content == turn.text
+            assert turn.token_ids == fresh_greedy(eng, turn.prompt_ids, 8)[0]
+            assert turn.stats.drafted_tokens > 0
+
+
+def test_cli_refuses_an_unavailable_drafter_before_loading(capsys):
+    from engine.cli import main
+
+    assert main(["chat", "--speculative", "mtp", "-p", "hi"]) == 2
+    assert "speculative='mtp' is not available" in capsys.readouterr().err

@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..args import speculative_options
 from ..runtime.pool import DEFAULT_SEQUENCES
 from ..runtime.worker import Job
 from ..stateless import DEFAULT_MAX_TOKENS, openai_message
@@ -421,6 +422,7 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
 
     try:
         api_key = resolve_api_key(args.api_key, args.api_key_file)
+        speculative = speculative_options(args)
     except ValueError as e:
         print(f"chatml serve: error: {e}", file=sys.stderr)
         return 2
@@ -435,7 +437,7 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 1
     with sock:
-        eng = engine_pkg.load(args.model, cache_bytes=args.cache_bytes)
+        eng = engine_pkg.load(args.model, cache_bytes=args.cache_bytes, **speculative)
         defaults = {**eng.sampling_defaults, **(sampling or {})}
         config = ServerConfig(
             model=args.model, host=args.host, port=args.port, api_key=api_key,
