@@ -3,8 +3,9 @@
 Random weights make real acceptance rates meaningless, so this measures the mechanism: the
 drafter proposes the model's own greedy continuation with each draft token wrong at a given
 rate (0 accepts everything, 1 nothing), and each (k, rate) cell is timed against plain
-(pipelined) decoding of the same prompt, run beside it (medians of `--repeats`). Output is checked token-for-token against plain
-decoding on every run. Prints a table, writes JSON with the conditions (`--json`).
+(pipelined) decoding of the same prompt, run beside it (medians of `--repeats`). Output is
+checked token-for-token against plain decoding on every run. Prints a table, writes JSON
+with the conditions (`--json`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def main() -> None:
         action="store_true",
         help="also run the adaptive k (up to the largest of --ks) at each rate",
     )
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="runs per cell, each beside a plain run (medians: a busy machine)")  # fmt: skip
     ap.add_argument("--models-dir")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -88,7 +91,8 @@ def main() -> None:
         row = {"k": f"<={k}" if adaptive else k, "reject_rate": rate,
                "acceptance": round(st.acceptance_rate, 3),
                "tokens_per_verify": round(st.tokens_per_verify, 2),
-               "tokens_per_s": round(tps, 2), "plain_tokens_per_s": round(plain_tps, 2), "speedup": round(tps / plain_tps, 3)}  # fmt: skip
+               "tokens_per_s": round(tps, 2), "plain_tokens_per_s": round(plain_tps, 2),
+               "speedup": round(tps / plain_tps, 3)}  # fmt: skip
         rows.append(row)
         print(f"{row['k']:>4} {rate:>6.2f} {row['acceptance']:>8.2f} {row['tokens_per_verify']:>10.2f}"
               f" {tps:>7.1f} {plain_tps:>7.1f} {row['speedup']:>7.2f}x")  # fmt: skip
