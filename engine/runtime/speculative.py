@@ -146,6 +146,11 @@ class DraftLength:
     def plain_tokens(self) -> int:
         return self.cooloff if self.adaptive else 1
 
+    def after_empty(self) -> int:
+        """Plain tokens after the drafter had nothing: a short pipelined run (a lookup that
+        finds no match would otherwise cost every step its overlap with the next)."""
+        return 4 if self.adaptive else 1
+
     def record_verify(self, k: int, n: int, seconds: float) -> None:
         self.verifies += 1
         d = self.decay
@@ -254,7 +259,7 @@ def _speculate(model, caches, logits, sampler, max_tokens, stops, history, draft
         drafts = drafter.propose(history, k) if k > 0 else []
         t = time.perf_counter()
         if not drafts:  # the plain loop (pipelined) for a while, or one step
-            m = min(room, policy.plain_tokens() if k == 0 and room > 1 else 1)
+            m = min(room, policy.plain_tokens() if k == 0 else policy.after_empty())
             ((step_logits, _),) = forward(model, [Row(caches, [token])])
             with contextlib.closing(decode(
                 model, caches, step_logits[-1], sampler, max_tokens=m, stop_ids=tuple(stops),
