@@ -72,3 +72,23 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
     given = {k: v for k, v in given.items() if v is not None}
     SamplingParams(**given)
     return given
+
+
+def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
+    """`--speculative` and `--num-draft`: passed to `engine.load` as they are."""
+    parser.add_argument("--speculative", choices=["lookup", "mtp"], default=None,
+                        help="draft tokens and verify them in one step (lookup: n-grams of "
+                        "the conversation; greedy output unchanged)")  # fmt: skip
+    parser.add_argument("--num-draft", type=number(1, 8), default=4,
+                        help="most tokens drafted per step (with --speculative)")  # fmt: skip
+
+
+def speculative_options(args: argparse.Namespace) -> dict:
+    """The `engine.load` keywords of `add_speculative_flags`; ValueError (before a model
+    loads) for a drafter that is not available."""
+    from .engine import speculation
+
+    options = {"speculative": getattr(args, "speculative", None),
+               "num_draft": getattr(args, "num_draft", 4)}  # fmt: skip
+    speculation(options["speculative"], options["num_draft"])
+    return options

@@ -19,7 +19,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .args import DefaultsFormatter, add_sampling_flags, number, sampling_overrides
+from .args import (
+    DefaultsFormatter,
+    add_sampling_flags,
+    add_speculative_flags,
+    number,
+    sampling_overrides,
+    speculative_options,
+)
 
 COMMANDS = {
     "/reset": "forget the conversation (the system prompt stays)",
@@ -69,6 +76,7 @@ def add_chat_parser(sub) -> None:
                    help="special tokens typed in messages (<|im_end|>...) become control tokens "
                         "(default: ordinary text)")  # fmt: skip
     add_sampling_flags(c, "every answer")
+    add_speculative_flags(c)
     c.set_defaults(func=run_chat)
 
 
@@ -456,7 +464,12 @@ def run_chat(args) -> int:
         schema_validator(args.json_schema)  # a bad schema fails before the model loads
     import engine
 
-    eng = engine.load(model)
+    try:
+        spec = speculative_options(args)
+    except ValueError as e:  # before the model loads
+        _err(f"chatml chat: {e}")
+        return 2
+    eng = engine.load(model, **spec)
     window = eng.entry.context_window  # what the session gets: no room left for the prompt?
     if args.max_tokens >= window:
         _err(f"chatml chat: --max-tokens {args.max_tokens} "

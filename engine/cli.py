@@ -9,7 +9,13 @@ import os
 import sys
 from pathlib import Path
 
-from .args import DefaultsFormatter, add_sampling_flags, number, sampling_overrides
+from .args import (
+    DefaultsFormatter,
+    add_sampling_flags,
+    add_speculative_flags,
+    number,
+    sampling_overrides,
+)
 
 
 def _models(args) -> int:
@@ -250,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="special tokens written in message text (<|im_end|>...) become control "
                         "tokens, as in transformers (default: ordinary text)")  # fmt: skip
     add_sampling_flags(s, "fields a request omits")
+    add_speculative_flags(s)
     s.set_defaults(func=_serve)
     return p
 

@@ -26,6 +26,7 @@ from .checkpoints.tokenizer import Tokenizer
 from .runtime import memory
 from .runtime.model import ModelOptions, Qwen35
 from .runtime.snapshot import CacheBudget
+from .runtime.speculative import LookupDrafter, Speculation
 from .runtime.worker import ModelThread
 
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -54,6 +55,8 @@ class Engine:
     _stateless: object = field(default=None, repr=False)
     # The disk tier of the pool's prefix cache (engine/storage/disk_cache.py), if enabled.
     disk: object = field(default=None, repr=False)
+    # Speculative decoding for every answer whose sampler allows it (None: plain decoding).
+    speculative: Speculation | None = None
 
     @property
     def path(self) -> Path:
@@ -206,6 +209,8 @@ def load(
     cache_bytes: int | None = None,
     cache_dir: str | os.PathLike | None = None,
     disk_cache_bytes: int | None = None,
+    speculative: str | None = None,
+    num_draft: int = 4,
 ) -> Engine:
     """Load a model: a models.yaml alias, a local checkpoint folder, or a Hub id.
 
@@ -219,7 +224,10 @@ def load(
     that cannot fit the device raise `CheckpointError` (with both sizes) before loading.
     `cache_dir` gives `Engine.chat`'s pool a disk tier there, of at most `disk_cache_bytes`
     (default: 8 GiB or a tenth of the free space, the lesser); see `Engine.attach_disk`.
+    `speculative="lookup"` drafts up to `num_draft` tokens by prompt lookup and verifies them
+    in one step (greedy output unchanged; samplers with penalties or a grammar decode plainly).
     """
+    spec = speculation(speculative, num_draft)
     path, entry = resolve(model)
     ckpt = inspect(path, entry)
     name = dtype or ckpt.entry.compute_dtype.get(backend(), "float32")
@@ -247,7 +255,27 @@ def load(
     if cache_bytes is None:
         cache_bytes = memory.default_budget(need, mem)
     eng = Engine(net, tok, ckpt.entry, ckpt, _DTYPES[name], stops, CacheBudget(cache_bytes))
+    eng.speculative = spec
     if cache_dir is not None:
         eng.attach_disk(cache_dir, disk_cache_bytes)
         weakref.finalize(eng, eng.disk.close)  # its writes finish even if close() is not called
     return eng
+
+
+SPECULATIVE = ("lookup", "mtp")
+
+
+def speculation(name: str | None, num_draft: int = 4) -> Speculation | None:
+    """The `speculative=` option of `load` as a `Speculation` (None: off)."""
+    if isinstance(num_draft, bool) or not isinstance(num_draft, int) or not 1 <= num_draft <= 8:
+        raise ValueError(f"num_draft must be an integer from 1 to 8, got {num_draft!r}")
+    if name is None:
+        return None
+    if name == "lookup":
+        return Speculation(LookupDrafter, num_draft)
+    if name == "mtp":
+        raise ValueError(
+            "speculative='mtp' is not available yet: the engine does not load the checkpoint's "
+            "mtp.* layer; use speculative='lookup'"
+        )
+    raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)} or None, got {name!r}")

@@ -21,6 +21,10 @@ class TurnStats:
     prefill_tps: float = 0.0
     decode_tps: float = 0.0
     cache_bytes: int = 0
+    drafted_tokens: int = 0  # speculative decoding: draft tokens verified
+    accepted_tokens: int = 0  # of those, how many stood
+    acceptance_rate: float = 0.0
+    tokens_per_verify: float = 0.0  # tokens each verify step produced, on average
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,6 +82,9 @@ def make_turn(prompt, raw: str, progress, t0: float, *, cache_bytes: int, warm_t
         cache_bytes=cache_bytes,
         warm_tokens=warm_tokens,
     )
+    spec = p.speculation
+    stats.drafted_tokens, stats.accepted_tokens = spec.drafted, spec.accepted
+    stats.acceptance_rate, stats.tokens_per_verify = spec.acceptance_rate, spec.tokens_per_verify
     return Turn(content, reasoning, list(prompt.ids), list(p.tokens), stats, finish or p.finish,
                 calls, error)  # fmt: skip
 

@@ -212,9 +212,14 @@ class Sampler:
             p.accept(tokens)
 
     def pick(self, logits: mx.array) -> mx.array:
-        p = self.p
-        if p.temperature == 0:
+        if self.p.temperature == 0:
             return mx.argmax(logits)
+        return mx.random.categorical(self.final_logits(logits), key=self.subkey())
+
+    def final_logits(self, logits: mx.array) -> mx.array:
+        """What a sampled pick draws from: `logits / temperature` with the top-k, min-p and
+        top-p cuts set to -inf (temperature > 0; speculative sampling reads it too)."""
+        p = self.p
         logits = logits / p.temperature
         if p.top_k:
             kth = mx.sort(logits)[-min(p.top_k, logits.shape[0])]
@@ -230,7 +235,11 @@ class Sampler:
             drop = mx.zeros_like(drop_sorted)
             drop[order] = drop_sorted
             logits = mx.where(drop, -mx.inf, logits)
+        return logits
+
+    def subkey(self) -> mx.array | None:
+        """The next random key of a seeded row (None unseeded: MLX's global generator)."""
         if self.key is None:
-            return mx.random.categorical(logits)
+            return None
         self.key, sub = mx.random.split(self.key)
-        return mx.random.categorical(logits, key=sub)
+        return sub

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from . import snapshot
 from .generate import decode, eval_caches, prefill
 from .sampling import Sampler
+from .speculative import SpeculationStats, speculative_decode
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -49,6 +50,7 @@ class Progress:
     decode_s: float = 0.0
     finish: str = "length"
     tokens: list[int] = field(default_factory=list)  # generated, without the stop token
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
     undo: _Undo | None = None  # the state before the call, for a caller's later rollback
 
 
@@ -135,10 +137,17 @@ class CachedSequence:
                 stop_ids = () if ignore_eos else engine.stop_ids
                 # Closed on every way out, before the bookkeeping below: decode undoes the
                 # step it ran ahead on a token that is not fed (see `decode`).
-                with contextlib.closing(decode(
-                    engine.model, self.caches, logits, sampler,
-                    max_tokens=max_tokens, stop_ids=stop_ids, history=history,
-                )) as steps:  # fmt: skip
+                spec = getattr(engine, "speculative", None)
+                if spec is not None and spec.applies(sampler):
+                    loop = speculative_decode(
+                        engine.model, self.caches, logits, sampler, max_tokens=max_tokens,
+                        stop_ids=stop_ids, history=history, drafter=spec.drafter(),
+                        policy=spec.policy, stats=progress.speculation,
+                    )  # fmt: skip
+                else:
+                    loop = decode(engine.model, self.caches, logits, sampler,
+                                  max_tokens=max_tokens, stop_ids=stop_ids, history=history)  # fmt: skip
+                with contextlib.closing(loop) as steps:
                     for token in steps:
                         now = time.perf_counter()
                         if progress.first_token_at is None:

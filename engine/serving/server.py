@@ -38,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..args import speculative_options
 from ..runtime.pool import DEFAULT_SEQUENCES
 from ..runtime.worker import Job
 from ..stateless import DEFAULT_MAX_TOKENS, PreparedChat, openai_message
@@ -211,8 +212,8 @@ class ServerApp:
         """Prefill each --warm-prompts conversation into the pool (snapshots at its boundaries,
         so a request sharing its system prompt or tools reuses it), then to disk if enabled."""
         chat = self.worker
-        for i, messages in enumerate(self.config.warm_prompts):
-            prepared = chat.prepare(parse_request({"messages": messages}), window=self.window,
+        for i, conversation in enumerate(self.config.warm_prompts):
+            prepared = chat.prepare(parse_request({"messages": conversation}), window=self.window,
                                     openai=True, renderer=self.renderer)  # fmt: skip
             prompt = prepared.prompt
 
@@ -638,6 +639,7 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
 
     try:
         api_key = resolve_api_key(args.api_key, args.api_key_file)
+        speculative = speculative_options(args)
     except ValueError as e:
         print(f"chatml serve: error: {e}", file=sys.stderr)
         return 2
@@ -652,7 +654,7 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 1
     with sock:
-        eng = engine_pkg.load(args.model, cache_bytes=args.cache_bytes)
+        eng = engine_pkg.load(args.model, cache_bytes=args.cache_bytes, **speculative)
         try:
             warm = load_warm_prompts(args.warm_prompts, eng) if args.warm_prompts else None
         except ValueError as e:
@@ -700,9 +702,9 @@ def load_warm_prompts(path: str, engine) -> list:
         raise ValueError(f"--warm-prompts {path}: {e}") from None
     if not isinstance(data, list) or not all(isinstance(m, list) and m for m in data):
         raise ValueError(f"--warm-prompts {path}: expected a JSON list of message arrays")
-    for i, messages in enumerate(data):
+    for i, prompt in enumerate(data):
         try:
-            Renderer(engine).render(parse_request({"messages": messages}))
+            Renderer(engine).render(parse_request({"messages": prompt}))
         except ApiError as e:
             raise ValueError(f"--warm-prompts {path}: [{i}]: {e.message} ({e.param})") from None
     return data

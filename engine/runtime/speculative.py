@@ -1,0 +1,300 @@
+"""Speculative decoding: a drafter proposes k tokens, one step verifies all k+1 positions.
+
+The step (`step.forward`) feeds the pending token and the k drafts in one pass, keeping the
+per-position states; the verifier decides how many drafts stand (greedy: the longest prefix
+the model's argmax agrees with; sampling: the speculative sampling rule, so the output keeps
+the target's distribution), and `step.rollback` trims the KV caches and restores the Gated
+DeltaNet conv and recurrent states to the last token that stands. Nothing is re-prefilled.
+
+Greedy output is token-for-token the plain loop's (`generate.decode`). A chain of logits
+processors (penalties, a grammar) keeps per-token state that a rejected draft would have to
+undo, so such samplers decode plainly. `DraftLength` picks k from the measured cost of a
+verify and the acceptance seen so far, and switches drafting off (the plain pipelined loop
+runs, with probes at growing intervals) when drafting does not pay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import mlx.core as mx
+
+from .generate import decode, eval_caches
+from .sampling import Sampler
+from .step import Row, forward, rollback
+
+
+class Drafter(Protocol):
+    """Proposes up to `k` tokens to follow `history` (the prompt and the answer so far).
+
+    One drafter serves one answer: `history` only grows between calls."""
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]: ...
+
+
+class LookupDrafter:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the history's
+    last n-gram (longest n first). No weights; pays off where answers quote their context.
+
+    The n-grams are indexed incrementally, so a proposal costs O(new tokens), not O(history).
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.sizes = range(max_ngram, min_ngram - 1, -1)
+        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> its latest start with a follower
+        self.indexed = 0  # n-grams ending before this position are indexed
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        L = len(history)
+        for end in range(self.indexed + 1, L):  # an n-gram ending at `end` has a follower
+            for n in self.sizes:
+                if end >= n:
+                    self.index[tuple(history[end - n : end])] = end - n
+        self.indexed = max(self.indexed, L - 1)
+        for n in self.sizes:
+            if L > n and (start := self.index.get(tuple(history[L - n :]))) is not None:
+                return list(history[start + n : start + n + k])
+        return []
+
+
+class InjectedDrafter:
+    """For tests and benchmarks: proposes the target's own greedy continuation `truth` of
+    `prompt_len` prompt tokens, each draft token wrong with probability `reject_rate` (seeded),
+    so every acceptance length happens at a known rate."""
+
+    def __init__(self, truth: Sequence[int], prompt_len: int, reject_rate: float, seed: int = 0):
+        self.truth, self.prompt_len, self.rate = list(truth), prompt_len, reject_rate
+        self.rng = random.Random(seed)
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        at = len(history) - self.prompt_len
+        if history[self.prompt_len :] != self.truth[:at]:
+            return []  # off the script (an injected token was accepted by a sampler)
+        out = []
+        for t in self.truth[at : at + k]:
+            out.append((t + 1) % 1000 if self.rng.random() < self.rate else t)
+        return out
+
+
+@dataclass
+class SpeculationStats:
+    """What drafting did in one answer."""
+
+    drafted: int = 0  # draft tokens proposed to the model
+    accepted: int = 0  # of those, how many stood
+    verifies: int = 0  # verify steps run
+    verify_tokens: int = 0  # tokens those steps produced (accepted drafts + one of the model's)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        return self.verify_tokens / self.verifies if self.verifies else 0.0
+
+
+class DraftLength:
+    """How many tokens to draft next: k that maximises expected tokens per second.
+
+    With acceptance a per draft token (a decayed count of hits over tries), k drafts yield
+    1 + a + ... + a^k tokens per verify, which costs about `plain_s + per_draft_s * k` (both
+    measured, decayed). When plain decoding wins (k = 0) the loop decodes plainly for
+    `cooloff` tokens, then probes with one verify; each probe that still loses doubles the
+    cooloff (up to `max_cooloff`), so a drafter that never pays costs a few percent at most.
+    `adaptive=False` always drafts `max_k` (tests, benchmarks).
+    """
+
+    def __init__(self, max_k: int, *, adaptive: bool = True, cooloff: int = 16,
+                 max_cooloff: int = 256, decay: float = 0.9):  # fmt: skip
+        if max_k < 1:
+            raise ValueError(f"num_draft must be >= 1, got {max_k}")
+        self.max_k, self.adaptive, self.decay = max_k, adaptive, decay
+        self.base_cooloff, self.max_cooloff = cooloff, max_cooloff
+        self.cooloff = cooloff
+        self.hits, self.tries = 1.0, 1.0  # optimistic prior: draft first, then learn
+        self.plain_s: float | None = None
+        self.per_draft_s: float | None = None
+        self.verifies = 0
+        self.probing = False
+
+    def next(self) -> int:
+        """Drafts for the next step; 0 means decode `plain_tokens()` tokens plainly."""
+        if not self.adaptive:
+            return self.max_k
+        if self.plain_s is None:
+            return self.max_k if self.verifies < 2 else 0  # measure plain decoding once
+        best = self.best()
+        if best == 0 and self.probing:
+            self.probing = False
+            return 1  # one probe after a cooloff: fresh evidence for `best`
+        return best
+
+    def best(self) -> int:
+        a = self.hits / self.tries
+        rates = [sum(a**i for i in range(k + 1)) / (self.plain_s + (self.per_draft_s or 0.0) * k)
+                 for k in range(self.max_k + 1)]  # fmt: skip
+        return max(range(self.max_k + 1), key=rates.__getitem__)
+
+    def plain_tokens(self) -> int:
+        return self.cooloff if self.adaptive else 1
+
+    def after_empty(self) -> int:
+        """Plain tokens after the drafter had nothing: a short pipelined run (a lookup that
+        finds no match would otherwise cost every step its overlap with the next)."""
+        return 4 if self.adaptive else 1
+
+    def record_verify(self, k: int, n: int, seconds: float) -> None:
+        self.verifies += 1
+        d = self.decay
+        self.hits = d * self.hits + n
+        self.tries = d * self.tries + n + (n < k)
+        if self.plain_s is not None:
+            per = max(0.0, (seconds - self.plain_s) / k)
+            old = self.per_draft_s
+            self.per_draft_s = per if old is None else d * old + (1 - d) * per
+        if self.plain_s is not None and self.best() > 0:
+            self.cooloff = self.base_cooloff  # drafting pays again
+
+    def record_plain(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        s = seconds / tokens
+        self.plain_s = (
+            s if self.plain_s is None else self.decay * self.plain_s + (1 - self.decay) * s
+        )
+        if tokens >= self.cooloff:  # a whole cooloff ran: probe next, and wait longer after
+            self.probing = True
+            self.cooloff = min(2 * self.cooloff, self.max_cooloff)
+
+
+@dataclass
+class Speculation:
+    """An engine's speculative decoding setup: which drafter, how many drafts at most."""
+
+    drafter: Callable[[], Drafter] = LookupDrafter
+    num_draft: int = 4
+    adaptive: bool = True
+    policy: DraftLength = field(init=False)  # engine-wide: its timings carry across answers
+
+    def __post_init__(self):
+        self.policy = DraftLength(self.num_draft, adaptive=self.adaptive)
+
+    @staticmethod
+    def applies(sampler: Sampler) -> bool:
+        """Whether `sampler` can verify drafts (no processor keeps per-token state)."""
+        return not sampler.processors
+
+
+def verify(sampler: Sampler, logits: mx.array, drafts: Sequence[int]) -> tuple[list, list]:
+    """(accept, fallback) for `drafts` from the step's logits `[k+1, V]`.
+
+    `accept[i]`: draft i stands if all before it do; `fallback[i]`: the model's token at
+    position i when draft i is rejected (`fallback[k]`: the token after all k). Greedy: the
+    argmax. Sampling, for a deterministic drafter: draft d stands with probability p(d), else
+    the token is drawn from p with d removed and renormalised; the emitted tokens then follow
+    the target's distribution exactly (Leviathan et al. 2023; Chen et al. 2023).
+    """
+    k = len(drafts)
+    if sampler.p.temperature == 0:
+        fallback = mx.argmax(logits.astype(mx.float32), axis=-1)
+        fallback = fallback.tolist()
+        return [fallback[i] == drafts[i] for i in range(k)], fallback
+    final = mx.stack([sampler.final_logits(logits[i].astype(mx.float32)) for i in range(k + 1)])
+    d = mx.array(list(drafts), dtype=mx.int32)
+    p_draft = mx.take_along_axis(mx.softmax(final[:k], axis=-1), d[:, None], axis=-1)[:, 0]
+    is_draft = mx.arange(final.shape[-1])[None] == d[:, None]
+    residual = mx.concatenate([mx.where(is_draft, -mx.inf, final[:k]), final[k:]])
+    key_u, key_c = sampler.subkey(), sampler.subkey()
+    u = mx.random.uniform(shape=(k,), key=key_u)
+    fallback = mx.random.categorical(residual, axis=-1, key=key_c)
+    ok = u < p_draft
+    mx.eval(ok, fallback)
+    return ok.tolist(), fallback.tolist()
+
+
+def speculative_decode(
+    model,
+    caches: list,
+    logits: mx.array,
+    sampler: Sampler,
+    *,
+    max_tokens: int,
+    stop_ids: Sequence[int],
+    history: list[int],
+    drafter: Drafter,
+    policy: DraftLength,
+    stats: SpeculationStats,
+) -> Iterator[int]:
+    """`generate.decode`'s contract, drafting: yields each token (the stop token too, never
+    fed); a token at which the consumer stops is not fed; `history` grows in place; on every
+    way out the caches hold every yielded token but the last, evaluated on this thread."""
+    try:
+        yield from _speculate(model, caches, logits, sampler, max_tokens, set(stop_ids),
+                              history, drafter, policy, stats)  # fmt: skip
+    finally:
+        eval_caches(caches)
+        if isinstance(sampler.key, mx.array):
+            mx.eval(sampler.key)
+
+
+def _speculate(model, caches, logits, sampler, max_tokens, stops, history, drafter, policy,
+               stats) -> Iterator[int]:  # fmt: skip
+    token = sampler(logits, history).item()
+    history.append(token)
+    sampler.accept((token,))
+    made = 1
+    yield token
+    while token not in stops and made < max_tokens:
+        # `token` is read and not fed; every token before it is in the caches.
+        room = max_tokens - made
+        k = min(policy.next(), room - 1)
+        drafts = drafter.propose(history, k) if k > 0 else []
+        t = time.perf_counter()
+        if not drafts:  # the plain loop (pipelined) for a while, or one step
+            m = min(room, policy.plain_tokens() if k == 0 else policy.after_empty())
+            ((step_logits, _),) = forward(model, [Row(caches, [token])])
+            with contextlib.closing(decode(
+                model, caches, step_logits[-1], sampler, max_tokens=m, stop_ids=tuple(stops),
+                history=history,
+            )) as plain:  # fmt: skip
+                for token in plain:
+                    made += 1
+                    yield token  # closing `plain` here undoes its step ahead
+            policy.record_plain(m, time.perf_counter() - t)
+            continue
+        k = len(drafts)
+        row = Row(caches, [token, *drafts], logits=k + 1, keep=range(1, k + 1))
+        ((step_logits, mark),) = forward(model, [row])
+        accept, fallback = verify(sampler, step_logits, drafts)
+        n = 0
+        while n < k and accept[n]:
+            n += 1
+            if drafts[n - 1] in stops:
+                break
+        stopped = n > 0 and drafts[n - 1] in stops
+        standing = drafts[:n] if stopped else [*drafts[:n], fallback[n]]
+        # Fed: the pending token and the drafts that stand (a stop draft is not fed).
+        rollback(caches, mark, mark.start + n + (0 if stopped else 1))
+        policy.record_verify(k, n, time.perf_counter() - t)
+        stats.drafted += k
+        stats.accepted += n
+        stats.verifies += 1
+        stats.verify_tokens += len(standing)
+        for i, token in enumerate(standing):
+            history.append(token)
+            sampler.accept((token,))
+            made += 1
+            try:
+                yield token
+            except GeneratorExit:  # not fed: back to just before this token
+                if i < n:
+                    rollback(caches, mark, mark.start + 1 + i)
+                raise

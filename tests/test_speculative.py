@@ -1,0 +1,318 @@
+"""Speculative decoding against independent references: plain decoding and a fresh prefill.
+
+The drafter that forces every path proposes the target's own greedy continuation (computed by
+a fresh prefill) with wrong tokens injected at a given rate; after any rejection the caches
+must equal a fresh prefill of exactly the tokens that stood.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import QUESTIONS, fresh_greedy
+
+import engine
+from engine.runtime.cache import KVCache
+from engine.runtime.generate import decode, prefill
+from engine.runtime.sampling import Sampler, SamplingParams
+from engine.runtime.speculative import (
+    DraftLength,
+    InjectedDrafter,
+    LookupDrafter,
+    Speculation,
+    SpeculationStats,
+    speculative_decode,
+    verify,
+)
+from engine.runtime.step import Row, forward
+
+PROMPT = [9707, 11, 1879, 0, 3555, 525, 498, 30, 151645, 198, 151644, 77091, 198] * 3
+N = 16
+
+
+def _plain(model, ids, n, stop_ids=()):
+    caches = model.make_caches()
+    logits, _ = prefill(model, caches, ids, 0)
+    return list(decode(model, caches, logits, Sampler(SamplingParams()), max_tokens=n,
+                       stop_ids=stop_ids, history=list(ids)))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def truth(tiny):
+    return _plain(tiny.model, PROMPT, N + 4)
+
+
+def _speculate(model, drafter, k, n=N, stop_ids=(), params=None):
+    caches = model.make_caches()
+    logits, _ = prefill(model, caches, PROMPT, 0)
+    stats = SpeculationStats()
+    steps = speculative_decode(
+        model, caches, logits, Sampler(params or SamplingParams()), max_tokens=n, stop_ids=stop_ids,
+        history=list(PROMPT), drafter=drafter, policy=DraftLength(k, adaptive=False), stats=stats,
+    )  # fmt: skip
+    return caches, steps, stats
+
+
+def _states(caches) -> list[np.ndarray]:
+    out = []
+    for c in caches:
+        out += [np.array(a) for a in c.state] if isinstance(c, KVCache) else [c.conv, c.state]
+    return [np.array(a) for a in out]
+
+
+def _assert_holds(model, caches, tokens, next_token, state_atol=1e-4):
+    """`caches` equal a fresh prefill of `tokens`: states, and the logits after `next_token`
+    (within 1e-4, the exactness rule)."""
+    fresh = model.make_caches()
+    prefill(model, fresh, tokens, 0)
+    assert {c.offset for c in caches} == {len(tokens)}
+    for ours, theirs in zip(_states(caches), _states(fresh)):
+        np.testing.assert_allclose(ours, theirs, atol=state_atol)
+    ((a, _),) = forward(model, [Row(caches, [next_token])])
+    ((b, _),) = forward(model, [Row(fresh, [next_token])])
+    np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+
+
+def test_lookup_proposes_what_followed_the_latest_match_longest_ngram_first():
+    d = LookupDrafter(max_ngram=3)
+    assert d.propose([1, 2, 3], 4) == []
+    assert d.propose([1, 2, 3, 9, 1, 2], 4) == [3, 9, 1, 2]  # "1 2" matched, its follower on
+    assert d.propose([1, 2, 3, 9, 1, 2, 7, 5, 2], 2) == [7, 5]  # "2": the latest occurrence
+    # a longer match wins over a later shorter one: "9 1 2" -> 3, not "2" -> what came last
+    assert LookupDrafter(3).propose([9, 1, 2, 3, 4, 2, 8, 9, 1, 2], 2) == [3, 4]
+    assert d.propose([5], 3) == [] and d.propose([1, 1], 0) == []
+
+
+@pytest.mark.parametrize(("k", "rate"), [(1, 0.5), (4, 0.0), (4, 0.25), (4, 0.5), (4, 1.0)])
+def test_greedy_output_equals_plain_decoding_and_caches_a_fresh_prefill(tiny, truth, k, rate):
+    model = tiny.model
+    caches, steps, stats = _speculate(model, InjectedDrafter(truth, len(PROMPT), rate), k)
+    out = list(steps)
+    assert out == truth[:N]
+    assert stats.drafted > 0 and stats.verifies > 0
+    if rate == 0.0:
+        assert stats.accepted == stats.drafted and stats.tokens_per_verify > 2
+    if rate == 1.0:
+        assert stats.accepted == 0 and stats.tokens_per_verify == 1
+    # every yielded token but the last is fed, exactly as a fresh prefill would hold them
+    _assert_holds(model, caches, PROMPT + out[:-1], out[-1])
+
+
+@pytest.mark.parametrize("j", [3, 5])  # with k=4: a stop inside the drafts, then as the bonus
+def test_a_stop_token_inside_an_accepted_run_ends_the_answer_unfed(tiny, truth, j):
+    model = tiny.model
+    stop = truth[j]
+    assert stop not in truth[:j]
+    caches, steps, stats = _speculate(model, InjectedDrafter(truth, len(PROMPT), 0.0), 4,
+                                      stop_ids=(stop,))  # fmt: skip
+    assert list(steps) == truth[: j + 1] == _plain(model, PROMPT, N, (stop,))
+    _assert_holds(model, caches, PROMPT + truth[:j], stop)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7])
+def test_max_tokens_is_exact_inside_a_run(tiny, truth, n):
+    caches, steps, _ = _speculate(tiny.model, InjectedDrafter(truth, len(PROMPT), 0.0), 4, n=n)
+    assert list(steps) == truth[:n]
+    assert {c.offset for c in caches} == {len(PROMPT) + n - 1}
+
+
+@pytest.mark.parametrize("stop_at", [2, 4, 6])  # a draft token, the bonus, a later draft
+def test_a_consumer_that_stops_mid_run_leaves_only_what_it_read_but_the_last(tiny, truth, stop_at):
+    model = tiny.model
+    caches, steps, _ = _speculate(model, InjectedDrafter(truth, len(PROMPT), 0.0), 4)
+    read = [t for _, t in zip(range(stop_at), steps)]
+    steps.close()
+    assert read == truth[:stop_at]
+    _assert_holds(model, caches, PROMPT + read[:-1], read[-1])
+
+
+def test_lookup_drafts_on_a_repeated_prompt_and_keeps_the_output(tiny, truth):
+    """The prompt quotes the model's own continuation, so lookup proposes it after the echo."""
+    model = tiny.model
+    ids = PROMPT + truth[:8] + PROMPT
+    want = _plain(model, ids, N)
+    caches = model.make_caches()
+    logits, _ = prefill(model, caches, ids, 0)
+    stats = SpeculationStats()
+    out = list(speculative_decode(
+        model, caches, logits, Sampler(SamplingParams()), max_tokens=N, stop_ids=(),
+        history=list(ids), drafter=LookupDrafter(), policy=DraftLength(4, adaptive=False),
+        stats=stats,
+    ))  # fmt: skip
+    assert out == want and stats.drafted > 0
+    _assert_holds(model, caches, ids + out[:-1], out[-1])
+
+
+class Oracle:
+    """A drafter for session scripts: the fresh-prefill greedy continuation of the prompt
+    (found from the first call's history), with rejections injected at `rate`."""
+
+    def __init__(self, eng, rate):
+        self.eng, self.rate, self.inner = eng, rate, None
+
+    def propose(self, history, k):
+        if self.inner is None:
+            prompt = list(history[:-1])
+            cont, _ = fresh_greedy(self.eng, prompt, 24)
+            self.inner = InjectedDrafter(cont, len(prompt), self.rate, seed=len(prompt))
+        return self.inner.propose(history, k)
+
+
+@pytest.fixture(scope="module")
+def spec_engine():
+    return engine.load("tiny", speculative="lookup", num_draft=3)
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "oracle"])
+def test_session_scripts_answer_as_a_fresh_prefill_does(spec_engine, drafter):
+    """Plain turns, trimming turns, regenerate, an interrupted stream: every answer equals a
+    fresh prefill's greedy tokens, and the Turn reports what drafting did."""
+    eng = spec_engine
+    if drafter == "oracle":
+        eng.speculative = Speculation(lambda: Oracle(eng, 0.3), 3, adaptive=False)
+    else:
+        eng.speculative = Speculation(LookupDrafter, 3, adaptive=False)
+    s = eng.session("You are terse.", max_exchanges=2)
+    turns = [s.send(q, max_tokens=10) for q in QUESTIONS[:4]]  # turns 3, 4 trim
+    assert turns[-1].stats.dropped_exchanges == 1
+    turns.append(s.regenerate(max_tokens=10))
+    history = [list(e) for e in s.history]
+    stream = s.stream(QUESTIONS[4], max_tokens=10)
+    next(stream)
+    stream.close()  # walked away mid-answer: no trace
+    assert s.history == history
+    turns.append(s.send(QUESTIONS[5], max_tokens=10))
+    for turn in turns:
+        assert turn.token_ids == fresh_greedy(eng, turn.prompt_ids, 10)[0]
+    if drafter == "oracle":
+        st = turns[0].stats
+        assert st.drafted_tokens > 0 and 0 < st.accepted_tokens <= st.drafted_tokens
+        assert st.acceptance_rate == st.accepted_tokens / st.drafted_tokens
+        assert st.tokens_per_verify > 1
+
+
+def test_load_options_are_checked(tiny):
+    assert isinstance(engine.engine.speculation("lookup", 2), Speculation)
+    assert engine.engine.speculation(None) is None
+    with pytest.raises(ValueError, match="speculative must be one of lookup, mtp or None"):
+        engine.engine.speculation("medusa")
+    with pytest.raises(ValueError, match="mtp"):
+        engine.engine.speculation("mtp")
+    with pytest.raises(ValueError, match="num_draft must be an integer from 1 to 8"):
+        engine.engine.speculation("lookup", 0)
+
+
+def test_low_acceptance_costs_at_most_five_percent_over_plain_decoding():
+    """Simulated: every draft rejected, a k-draft verify costs (1 + 0.5k) plain steps. The
+    policy stops drafting, probes at doubling intervals, and stays within 5% of plain."""
+    policy, plain, made, spent = DraftLength(4), 1.0, 0, 0.0
+    while made < 4000:
+        k = policy.next()
+        if k == 0:
+            m = policy.plain_tokens()
+            policy.record_plain(m, m * plain)
+            made, spent = made + m, spent + m * plain
+        else:
+            cost = plain * (1 + 0.5 * k)
+            policy.record_verify(k, 0, cost)
+            made, spent = made + 1, spent + cost
+    assert spent / (made * plain) < 1.05
+    # and when every draft stands and a verify is cheap, it drafts the most it may
+    good = DraftLength(4)
+    for _ in range(3):
+        good.record_plain(16, 16 * plain)
+        good.record_verify(4, 4, 1.2 * plain)
+    assert good.next() == 4
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    """verify() on fixed logits over 5 tokens: the first emitted token follows p0, the one
+    after an accepted first draft p1 (chi-square, seeded, so it never flakes). The naive rule
+    (resample from p0 without removing the draft) fails the same bound."""
+    rng = np.random.default_rng(0)
+    logits = mx.array(rng.standard_normal((3, 5)).astype(np.float32) * 1.5)
+    drafts = [2, 4]
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=7))
+    probs = np.array(mx.softmax(logits, axis=-1), dtype=np.float64)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    first, second, naive = [], [], []
+    naive_rng = np.random.default_rng(1)
+    for _ in range(1500):
+        accept, fallback = verify(sampler, logits, drafts)
+        first.append(drafts[0] if accept[0] else fallback[0])
+        if accept[0]:
+            second.append(drafts[1] if accept[1] else fallback[1])
+        naive.append(drafts[0] if accept[0] else int(naive_rng.choice(5, p=probs[0])))
+
+    def stat(samples, p):
+        counts = np.bincount(samples, minlength=5)
+        expected = p * len(samples)
+        return float(((counts - expected) ** 2 / expected).sum())
+
+    bound = 33.38  # chi-square, 4 degrees of freedom: exceeded with probability 1e-6
+    assert stat(first, probs[0]) < bound
+    assert stat(second, probs[1]) < bound and len(second) > 100
+    assert stat(naive, probs[0]) > bound
+
+
+def test_sampled_speculation_stays_in_the_top_k_of_a_fresh_prefill(tiny, truth):
+    params = SamplingParams(temperature=0.8, top_k=3, seed=3)
+
+    class GreedyFromHere:  # the model's own greedy continuation of whatever stands
+        def propose(self, history, k):
+            return _plain(tiny.model, list(history), k)
+
+    _, steps, stats = _speculate(tiny.model, GreedyFromHere(), 3, n=8, params=params)
+    out = list(steps)
+    assert len(out) == 8 and stats.drafted > 0
+    for i, t in enumerate(out):
+        logits, _ = prefill(tiny.model, tiny.model.make_caches(), PROMPT + out[:i], 0)
+        assert t in np.argsort(np.array(logits))[-3:]
+
+
+def test_the_server_answers_with_speculation_as_a_fresh_prefill_does(spec_engine):
+    import openai
+
+    from engine.serving.server import BackgroundServer, ServerConfig
+
+    eng = spec_engine
+    eng.speculative = Speculation(lambda: Oracle(eng, 0.3), 3, adaptive=False)
+    with BackgroundServer(eng, ServerConfig(port=0, context_window=4096, warm=False)) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": QUESTIONS[2]}]
+        for _ in range(2):  # the second time from the pool's cached sequence
+            r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
+                                          temperature=0, presence_penalty=0)  # fmt: skip
+            turn = eng.chat(messages, max_tokens=8)  # the Python API, same engine
+            assert r.choices[0].message.content == turn.text
+            assert turn.token_ids == fresh_greedy(eng, turn.prompt_ids, 8)[0]
+            assert turn.stats.drafted_tokens > 0
+
+
+def test_cli_refuses_an_unavailable_drafter_before_loading(capsys):
+    from engine.cli import main
+
+    assert main(["chat", "--speculative", "mtp", "-p", "hi"]) == 2
+    assert "speculative='mtp' is not available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rate", [0.0, 1.0])
+def test_the_adaptive_policy_switching_drafting_off_and_on_keeps_the_output(tiny, rate):
+    """Adaptive k runs verifies, plain pipelined runs and probes in one answer: the tokens and
+    the caches are those of plain decoding whatever it picks."""
+    model = tiny.model
+    want = _plain(model, PROMPT, 40)
+    caches = model.make_caches()
+    logits, _ = prefill(model, caches, PROMPT, 0)
+    policy = DraftLength(4, cooloff=4)
+    out = list(speculative_decode(
+        model, caches, logits, Sampler(SamplingParams()), max_tokens=40, stop_ids=(),
+        history=list(PROMPT), drafter=InjectedDrafter(want, len(PROMPT), rate), policy=policy,
+        stats=SpeculationStats(),
+    ))  # fmt: skip
+    assert out == want
+    assert policy.verifies >= 2 and policy.plain_s is not None  # both kinds of step ran
+    # 40 tokens of rounding (plain decoding itself drifts 6e-5 from a fresh prefill here):
+    # the states within 1e-3, the logits they give within the 1e-4 rule
+    _assert_holds(model, caches, PROMPT + out[:-1], out[-1], state_atol=1e-3)
