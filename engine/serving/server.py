@@ -435,7 +435,9 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 1
     with sock:
-        eng = engine_pkg.load(args.model, cache_bytes=args.cache_bytes)
+        eng = engine_pkg.load(
+            args.model, cache_bytes=args.cache_bytes, quantize=getattr(args, "quantize", None)
+        )
         defaults = {**eng.sampling_defaults, **(sampling or {})}
         config = ServerConfig(
             model=args.model, host=args.host, port=args.port, api_key=api_key,
