@@ -4,7 +4,7 @@ The dense tiny at 4 and 8 bits, and the MoE tiny at 4 bits, which mlx-lm convert
 precision: the router (`mlp.gate`) and `shared_expert_gate` at 8 bits, recorded per module
 path in config.json. Loaded the ways an engine does: dense ones kept quantized on the CPU
 (through kernels.native: the GEMV kernel for decode, dequantized BLAS for prefill; and with the
-native kernels off, MLX's ops), MoE ones dequantized on the CPU, and the GPU path (plain MLX
+native kernels off, MLX's ops: tests/test_native.py), MoE ones dequantized on the CPU, and the GPU path (plain MLX
 quantized layers) forced here on the CPU.
 """
 
@@ -54,23 +54,20 @@ def mlx_lm_logits(path, ids):
     return ref(mx.array([ids]), cache=ref.make_cache())
 
 
-@pytest.fixture(params=["native", "mlx-ops"])
-def cpu_path(request, monkeypatch):
-    """Both CPU paths for quantized matmuls: the native kernels and the fallback."""
-    if request.param == "mlx-ops":
-        monkeypatch.setenv("CHATML_NATIVE", "0")
-    native.reset()
-    yield request.param
-    native.reset()
+def prefill_and_steps(model, ids, steps=3):
+    """Logits of a prefill of all but the last `steps` ids, then one-token decode steps."""
+    caches = model.make_caches()
+    first = model(mx.array([ids[:-steps]]), caches)
+    return mx.concatenate([first] + [model(mx.array([[t]]), caches) for t in ids[-steps:]], 1)
 
 
-def test_on_the_cpu_and_matches_mlx_lm(quantized, cpu_path):
+def test_on_the_cpu_and_matches_mlx_lm(quantized):
     from mlx_lm import load, stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     source, path = quantized
     ours = engine.load(str(path))
-    assert native.info().active == (cpu_path == "native")
+    assert native.info().active
     moe = source.entry.arch.is_moe
     qkv = ours.model.layers[0].linear_attn.in_proj_qkv
     if moe:  # dequantized: MLX's CPU gather_mm (the routed experts) is float32 only
@@ -97,11 +94,8 @@ def test_on_the_cpu_and_matches_mlx_lm(quantized, cpu_path):
                   if r.finish_reason != "stop"]  # fmt: skip
     assert turn.token_ids == mlx_tokens
     # decode steps (one row: the GEMV kernel) agree with mlx-lm's too
-    caches = ours.model.make_caches()
-    ours.model(mx.array([ids[:-3]]), caches)
-    steps = [ours.model(mx.array([[t]]), caches) for t in ids[-3:]]
-    ref_logits = mlx_lm_logits(path, ids)
-    assert mx.abs(mx.concatenate(steps, axis=1) - ref_logits[:, -3:]).max().item() < TOL
+    got = prefill_and_steps(ours.model, ids)
+    assert mx.abs(got - mlx_lm_logits(path, ids)).max().item() < TOL
 
 
 def test_kept_quantized_with_per_module_bits_as_recorded(quantized):
