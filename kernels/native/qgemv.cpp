@@ -185,54 +185,84 @@ struct Generic {
     }
     return total;
   }
+  static void rows(const uint8_t* w, size_t, const S* scales, const S* biases, const float* xs,
+                   const float* xsum, int groups, int gs, float* y) {
+    y[0] = row(w, scales, biases, xs, xsum, groups, gs);
+  }
 };
 
 #if defined(__AVX512F__)
 constexpr int kBlock = 32;  // 4-bit reorder block: 16 low + 16 high nibbles per 16 bytes
 constexpr const char* kIsa = "avx512";
+constexpr int kRows = 4;  // output rows per pass: each activation load feeds four rows
+
+// R output rows at once (rows `stride` bytes apart); writes y[0..R).
+template <int BITS, typename S, int R>
+static inline void rows_avx512(const uint8_t* w, size_t stride, const S* scales,
+                               const S* biases, int groups_stride, const float* xs,
+                               const float* xsum, int groups, int gs, float* y) {
+  __m512 total[R];
+  float bias_part[R];
+  for (int r = 0; r < R; ++r) {
+    total[r] = _mm512_setzero_ps();
+    bias_part[r] = 0.0f;
+  }
+  const __m512i low = _mm512_set1_epi32(15);
+  for (int g = 0; g < groups; ++g) {
+    const float* x = xs + g * gs;
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm512_setzero_ps();
+      acc[r][1] = _mm512_setzero_ps();
+    }
+    for (int c = 0; c < gs; c += 32) {
+      __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
+      for (int r = 0; r < R; ++r) {
+        if (BITS == 8) {
+          const uint8_t* q = w + r * stride + g * gs + c;
+          __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+          __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 16)));
+          acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v0), x0, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v1), x1, acc[r][1]);
+        } else {
+          const uint8_t* q = w + r * stride + (g * gs + c) / 2;
+          __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+          __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
+          __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+          acc[r][0] = _mm512_fmadd_ps(lo, x0, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(hi, x1, acc[r][1]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const size_t at = static_cast<size_t>(r) * groups_stride + g;
+      __m512 scale = _mm512_set1_ps(static_cast<float>(scales[at]));
+      total[r] = _mm512_fmadd_ps(scale, _mm512_add_ps(acc[r][0], acc[r][1]), total[r]);
+      bias_part[r] += static_cast<float>(biases[at]) * xsum[g];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    y[r] = _mm512_reduce_add_ps(total[r]) + bias_part[r];
+  }
+}
 
 template <int BITS, typename S>
 struct Simd {
   static float row(const uint8_t* w, const S* scales, const S* biases, const float* xs,
                    const float* xsum, int groups, int gs) {
-    __m512 total0 = _mm512_setzero_ps(), total1 = _mm512_setzero_ps();
-    float bias_part = 0.0f;
-    const __m512i low = _mm512_set1_epi32(15);
-    for (int g = 0; g < groups; ++g) {
-      const float* x = xs + g * gs;
-      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-      if (BITS == 8) {
-        const uint8_t* q = w + g * gs;
-        for (int c = 0; c < gs; c += 32) {
-          __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + c)));
-          __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + c + 16)));
-          a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v0), _mm512_loadu_ps(x + c), a0);
-          a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v1), _mm512_loadu_ps(x + c + 16), a1);
-        }
-      } else {
-        const uint8_t* q = w + g * gs / 2;
-        for (int c = 0; c < gs; c += 32) {
-          __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + c / 2)));
-          __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
-          __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-          a0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + c), a0);
-          a1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + c + 16), a1);
-        }
-      }
-      __m512 scale = _mm512_set1_ps(static_cast<float>(scales[g]));
-      if (g & 1) {
-        total1 = _mm512_fmadd_ps(scale, _mm512_add_ps(a0, a1), total1);
-      } else {
-        total0 = _mm512_fmadd_ps(scale, _mm512_add_ps(a0, a1), total0);
-      }
-      bias_part += static_cast<float>(biases[g]) * xsum[g];
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(total0, total1)) + bias_part;
+    float y;
+    rows_avx512<BITS, S, 1>(w, 0, scales, biases, groups, xs, xsum, groups, gs, &y);
+    return y;
+  }
+  static void rows(const uint8_t* w, size_t stride, const S* scales, const S* biases,
+                   const float* xs, const float* xsum, int groups, int gs, float* y) {
+    rows_avx512<BITS, S, kRows>(w, stride, scales, biases, groups, xs, xsum, groups, gs, y);
   }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kBlock = 16;  // 8 low + 8 high nibbles per 8 bytes
 constexpr const char* kIsa = "avx2";
+constexpr int kRows = 1;
 
 static inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -279,10 +309,15 @@ struct Simd {
     }
     return hsum256(_mm256_add_ps(total0, total1)) + bias_part;
   }
+  static void rows(const uint8_t* w, size_t, const S* scales, const S* biases, const float* xs,
+                   const float* xsum, int groups, int gs, float* y) {
+    y[0] = row(w, scales, biases, xs, xsum, groups, gs);
+  }
 };
 #else
 constexpr int kBlock = 32;
 constexpr const char* kIsa = "generic";
+constexpr int kRows = 1;
 template <int BITS, typename S>
 using Simd = Generic<BITS, S>;
 #endif
@@ -327,7 +362,23 @@ void gemv(const float* x, const uint8_t* w, const S* scales, const S* biases, fl
     // Contiguous ranges of rows, multiples of 16 so threads do not share cache lines of y.
     int chunk = ((N + parts - 1) / parts + 15) / 16 * 16;
     int n0 = std::min(N, part * chunk), n1 = std::min(N, n0 + chunk);
-    for (int n = n0; n < n1; ++n) {
+    int n = n0;
+    if (!generic && kRows > 1) {  // the common decode case: blocks of rows share x loads
+      float out[kRows];
+      for (; n + kRows <= n1; n += kRows) {
+        const uint8_t* wn = w + n * row_bytes;
+        const S* sn = scales + static_cast<size_t>(n) * groups;
+        const S* bn = biases + static_cast<size_t>(n) * groups;
+        for (int m = 0; m < M; ++m) {
+          Simd<BITS, S>::rows(wn, row_bytes, sn, bn, xs.data() + static_cast<size_t>(m) * K,
+                              xsum.data() + static_cast<size_t>(m) * groups, groups, gs, out);
+          for (int r = 0; r < kRows; ++r) {
+            y[static_cast<size_t>(m) * N + n + r] = out[r];
+          }
+        }
+      }
+    }
+    for (; n < n1; ++n) {
       const uint8_t* wn = w + n * row_bytes;
       const S* sn = scales + static_cast<size_t>(n) * groups;
       const S* bn = biases + static_cast<size_t>(n) * groups;
