@@ -42,16 +42,16 @@ def gemv(n: int, k: int, repeats: int) -> dict:
     wn, xn = np.array(w), np.array(x)[0]
     out = {"numpy_sgemv_f32": wn.nbytes / _best(lambda: wn @ xn, repeats)}
     out["mlx_matmul_f32"] = wn.nbytes / _best(lambda: mx.eval(x @ w.T), repeats)
-    del wn
     for bits in (8, 4):
         q, s, b = mx.quantize(w, group_size=64, bits=bits)
         s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)  # as mlx-community files store them
         mx.eval(q, s, b)
         size = q.nbytes + s.nbytes + b.nbytes
+        args = (x, q, s, b)
         if mod is not None:
-            t = _best(lambda: mx.eval(mod.quantized_gemv(x, q, s, b, 64, bits)), repeats)
+            t = _best(lambda a=args, n=bits: mx.eval(mod.quantized_gemv(*a, 64, n)), repeats)
             out[f"native_q{bits}"] = size / t
-        t = _best(lambda: mx.eval(mx.quantized_matmul(x, q, s, b, group_size=64, bits=bits)), 2)
+        t = _best(lambda a=args, n=bits: mx.eval(mx.quantized_matmul(*a, group_size=64, bits=n)), 2)
         out[f"mlx_quantized_matmul_q{bits}"] = size / t
     return {key: round(v / 1e9, 2) for key, v in out.items()}
 

@@ -160,3 +160,30 @@ def test_quantize_at_load_matches_mlx_lm(tiny, tmp_path, monkeypatch, bits, path
         engine.load(str(out), quantize=4)
     with pytest.raises(ValueError, match="quantize must be 8 or 4"):
         engine.load(str(tiny.checkpoint.path), quantize=2)
+
+
+def test_two_threads_at_once(mod):
+    """Two threads (each its own MLX stream) share the kernel's thread pool correctly."""
+    import threading
+
+    x, w, s, b = case(1024, 2048, 64, 8, mx.bfloat16, M=1)  # big enough to use the pool
+    ref, mag = reference(x, w, s, b, 64, 8)
+    x, w, s, b = (np.array(a.astype(mx.float32)) for a in (x, w.view(mx.float32), s, b))
+    errors = []
+
+    def worker():
+        stream = mx.new_stream(mx.cpu)
+        with mx.stream(stream):
+            xs, ws = mx.array(x), mx.array(w).view(mx.uint32)
+            ss, bs = mx.array(s).astype(mx.bfloat16), mx.array(b).astype(mx.bfloat16)
+            for _ in range(30):
+                y = np.array(mod.quantized_gemv(xs, ws, ss, bs, 64, 8), dtype=np.float64)
+                if not (np.abs(y - ref) <= REL * mag).all():
+                    errors.append(np.abs(y - ref).max())
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors

@@ -50,3 +50,4 @@ def quantize_model(model: nn.Module, bits: int, group_size: int = 64) -> None:
     Linear and Embedding whose rows split into whole groups, affine, `bits` wide."""
     nn.quantize(model, group_size=group_size, bits=bits)
     mx.eval(model.parameters())
+    mx.clear_cache()  # the float weights' buffers: memory back to the system, not MLX's cache

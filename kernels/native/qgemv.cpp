@@ -62,13 +62,15 @@ class Pool {
   int size() const {
     return static_cast<int>(workers_.size()) + 1;
   }
-  // Runs job(part, parts) for part in [0, parts) and returns when all are done.
+  // Runs job(part, parts) for part in [0, parts) and returns when all are done. Callers
+  // on different MLX streams (threads) take turns: there is one job slot.
   void run(const std::function<void(int, int)>& job, int parts) {
     if (parts <= 1 || workers_.empty()) {
       job(0, 1);
       return;
     }
     parts = std::min(parts, size());
+    std::lock_guard<std::mutex> turn(run_mutex_);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       job_ = &job;
@@ -95,7 +97,7 @@ class Pool {
     uint64_t seen = 0;
     while (true) {
       uint64_t now = generation_.load(std::memory_order_acquire);
-      for (int spin = 0; now == seen && spin < 20000; ++spin) {
+      for (int spin = 0; now == seen && spin < 4000; ++spin) {
         pause();
         now = generation_.load(std::memory_order_acquire);
       }
@@ -123,6 +125,7 @@ class Pool {
   }
 
   std::vector<std::thread> workers_;
+  std::mutex run_mutex_;
   std::mutex mutex_;
   std::condition_variable wake_;
   std::atomic<uint64_t> generation_{0};
