@@ -36,7 +36,7 @@ __all__ = ["NativeInfo", "build", "info", "module", "quantized_matmul"]
 
 SOURCE_DIR = Path(__file__).resolve().parent / "native"
 MODULE = "_chatml_qgemv"
-GEMV_ROWS = 4  # up to this many rows of x use the GEMV kernel; more go to dequantize + sgemm
+GEMV_ROWS = 8  # up to this many rows of x use the GEMV kernel; more: dequantize + sgemm
 
 
 @dataclass(frozen=True)
@@ -223,8 +223,9 @@ def reset() -> None:
 def quantized_matmul(x, w, scales, biases, group_size: int, bits: int):
     """``x @ dequantize(w).T`` on the CPU: the native GEMV for a few rows, else float32 BLAS.
 
-    Prefill (many rows) dequantizes the matrix per call and multiplies in float32, which
-    reaches the fast sgemm; MLX's quantized_matmul is far slower there on a CPU.
+    Prefill (many rows) dequantizes the matrix per call (natively: MLX's CPU dequantize is
+    slow) and multiplies in float32, which reaches the fast sgemm; MLX's quantized_matmul is
+    far slower there on a CPU.
     """
     import mlx.core as mx
 
@@ -236,6 +237,8 @@ def quantized_matmul(x, w, scales, biases, group_size: int, bits: int):
         return mx.quantized_matmul(
             x, w, scales, biases, transpose=True, group_size=group_size, bits=bits
         )
+    if mod is not None and x.dtype == mx.float32 and bits in (4, 8):
+        return x @ mod.dequantize(w, scales, biases, group_size, bits).T
     # scales in float32 first: dequantizing at bfloat16 scales would round the weights
     f32 = mx.float32
     weight = mx.dequantize(w, scales.astype(f32), biases.astype(f32), group_size, bits)

@@ -70,6 +70,15 @@ def test_kernel_matches_float64_reference(mod, monkeypatch, isa, dtype, bits, gs
         assert (err <= REL * mag).all(), f"max excess {(err - REL * mag).max()}"
 
 
+@pytest.mark.parametrize("bits,gs", [(8, 64), (4, 32)])
+def test_dequantize_is_exact(mod, bits, gs):
+    x, w, s, b = case(300, 256, gs, bits, mx.bfloat16)
+    got = np.array(mod.dequantize(w, s, b, gs, bits))
+    f32 = mx.float32
+    want = mx.dequantize(w, s.astype(f32), b.astype(f32), group_size=gs, bits=bits)
+    assert got.dtype == np.float32 and (got == np.array(want)).all()  # one rounding: s * q + b
+
+
 def test_leading_dims_and_bad_input(mod):
     x, w, s, b = case(64, 128, 64, 4, mx.float32, M=6)
     y = mod.quantized_gemv(x.reshape(2, 3, 128), w, s, b, 64, 4)
@@ -84,8 +93,9 @@ def test_leading_dims_and_bad_input(mod):
         mod.quantized_gemv(x.astype(mx.bfloat16), w, s, b, 64, 4)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 9])  # GEMV kernel, and prefill (dequantize + BLAS)
+@pytest.mark.parametrize("rows", [1, native.GEMV_ROWS, native.GEMV_ROWS + 1, 40])
 def test_quantized_matmul_both_paths(mod, monkeypatch, rows):
+    """The GEMV kernel (few rows) and prefill (dequantize + BLAS), native and fallback."""
     x, w, s, b = case(256, 512, 64, 4, mx.bfloat16, M=rows)
     ref, mag = reference(x, w, s, b, 64, 4)
     for setting in ("build", "0"):

@@ -19,6 +19,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -410,6 +411,38 @@ void dispatch_bits(int bits, const float* x, const uint8_t* w, const S* s, const
   }
 }
 
+// Float32 weights for prefill's sgemm: out[n, k] = scale * q + bias, rows over the pool.
+template <int BITS, typename S>
+void dequantize_rows(const uint8_t* w, const S* scales, const S* biases, float* out, int N,
+                     int K, int gs) {
+  const int groups = K / gs;
+  const size_t row_bytes = static_cast<size_t>(K) * BITS / 8;
+  auto job = [&](int part, int parts) {
+    int chunk = (N + parts - 1) / parts;
+    int n0 = std::min(N, part * chunk), n1 = std::min(N, n0 + chunk);
+    for (int n = n0; n < n1; ++n) {
+      const uint8_t* q = w + n * row_bytes;
+      float* o = out + static_cast<size_t>(n) * K;
+      for (int g = 0; g < groups; ++g) {
+        const float sc = static_cast<float>(scales[static_cast<size_t>(n) * groups + g]);
+        const float bi = static_cast<float>(biases[static_cast<size_t>(n) * groups + g]);
+        if (BITS == 8) {
+          for (int j = 0; j < gs; ++j) {
+            o[g * gs + j] = sc * static_cast<float>(q[g * gs + j]) + bi;
+          }
+        } else {
+          for (int j = 0; j < gs / 2; ++j) {
+            uint8_t b = q[g * gs / 2 + j];
+            o[g * gs + 2 * j] = sc * static_cast<float>(b & 15) + bi;
+            o[g * gs + 2 * j + 1] = sc * static_cast<float>(b >> 4) + bi;
+          }
+        }
+      }
+    }
+  };
+  pool().run(job, pool().size());
+}
+
 // ---------------------------------------------------------------- the primitive
 
 class QuantizedGemv : public UnaryPrimitive {
@@ -465,24 +498,79 @@ class QuantizedGemv : public UnaryPrimitive {
   int bits_;
 };
 
+class QuantizedDequantize : public UnaryPrimitive {
+ public:
+  QuantizedDequantize(Stream stream, int group_size, int bits)
+      : UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    const array& w = inputs[0];
+    const array& scales = inputs[1];
+    const array& biases = inputs[2];
+    out.set_data(allocator::malloc(out.nbytes()));
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (const array& a : inputs) {
+      encoder.set_input_array(a);
+    }
+    encoder.set_output_array(out);
+    const int N = out.shape(0), K = out.shape(1);
+    encoder.dispatch([wp = w.data<uint8_t>(), sp = scales.data<void>(), bp = biases.data<void>(),
+                      op = out.data<float>(), dtype = scales.dtype(), bits = bits_,
+                      gs = group_size_, N, K]() {
+      auto run = [&](auto* s, auto* b) {
+        using S = std::remove_cv_t<std::remove_pointer_t<decltype(s)>>;
+        if (bits == 8) {
+          dequantize_rows<8, S>(wp, s, b, op, N, K, gs);
+        } else {
+          dequantize_rows<4, S>(wp, s, b, op, N, K, gs);
+        }
+      };
+      if (dtype == float32) {
+        run((const float*)sp, (const float*)bp);
+      } else if (dtype == float16) {
+        run((const float16_t*)sp, (const float16_t*)bp);
+      } else {
+        run((const bfloat16_t*)sp, (const bfloat16_t*)bp);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("[chatml.dequantize] runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "ChatmlQuantizedDequantize";
+  }
+
+  bool is_equivalent(const Primitive& other) const override {
+    auto& o = static_cast<const QuantizedDequantize&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    return {{inputs[0].shape(0), inputs[0].shape(1) * 32 / bits_}};
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
 static void check(bool ok, const std::string& what) {
   if (!ok) {
     throw std::invalid_argument("[chatml.quantized_gemv] " + what);
   }
 }
 
-// x [..., K] float32 times dequantize(w, scales, biases).T -> [..., N] float32.
-array quantized_gemv(const array& x, const array& w, const array& scales, const array& biases,
-                     int group_size, int bits) {
+// Checks w, scales and biases; returns the row length K.
+static int check_weights(const array& w, const array& scales, const array& biases,
+                         int group_size, int bits) {
   check(bits == 4 || bits == 8, "bits must be 4 or 8, got " + std::to_string(bits));
   check(group_size == 32 || group_size == 64 || group_size == 128,
         "group_size must be 32, 64 or 128, got " + std::to_string(group_size));
-  check(x.dtype() == float32 && x.ndim() >= 1, "x must be a float32 array");
   check(w.dtype() == uint32 && w.ndim() == 2, "w must be a 2-D uint32 array");
   const int N = w.shape(0), K = w.shape(1) * 32 / bits;
-  std::ostringstream shapes;
-  shapes << "x has " << x.shape(-1) << " columns, w holds " << K << " per row";
-  check(x.shape(-1) == K, shapes.str());
   check(K % group_size == 0, "the row length must be a multiple of group_size");
   Shape groups{N, K / group_size};
   check(scales.shape() == groups && biases.shape() == groups,
@@ -491,6 +579,18 @@ array quantized_gemv(const array& x, const array& w, const array& scales, const 
             (scales.dtype() == float32 || scales.dtype() == float16 ||
              scales.dtype() == bfloat16),
         "scales and biases must share a float dtype (float32, float16, bfloat16)");
+  return K;
+}
+
+// x [..., K] float32 times dequantize(w, scales, biases).T -> [..., N] float32.
+array quantized_gemv(const array& x, const array& w, const array& scales, const array& biases,
+                     int group_size, int bits) {
+  const int K = check_weights(w, scales, biases, group_size, bits);
+  const int N = w.shape(0);
+  check(x.dtype() == float32 && x.ndim() >= 1, "x must be a float32 array");
+  std::ostringstream shapes;
+  shapes << "x has " << x.shape(-1) << " columns, w holds " << K << " per row";
+  check(x.shape(-1) == K, shapes.str());
   Stream s = default_stream(Device::cpu);
   int M = static_cast<int>(x.size() / K);
   array x2 = contiguous(reshape(x, {M, K}, s), false, s);
@@ -502,6 +602,17 @@ array quantized_gemv(const array& x, const array& w, const array& scales, const 
   return reshape(y, out_shape, s);
 }
 
+// The float32 matrix [N, K] (scale * q + bias, as mx.dequantize computes it in float32).
+array dequantize(const array& w, const array& scales, const array& biases, int group_size,
+                 int bits) {
+  const int K = check_weights(w, scales, biases, group_size, bits);
+  Stream s = default_stream(Device::cpu);
+  return array(Shape{w.shape(0), K}, float32,
+               std::make_shared<QuantizedDequantize>(s, group_size, bits),
+               {contiguous(w, false, s), contiguous(scales, false, s),
+                contiguous(biases, false, s)});
+}
+
 }  // namespace chatml
 
 NB_MODULE(_chatml_qgemv, m) {
@@ -509,6 +620,9 @@ NB_MODULE(_chatml_qgemv, m) {
   m.def("quantized_gemv", &chatml::quantized_gemv, nb::arg("x"), nb::arg("w"),
         nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"),
         "x @ dequantize(w, scales, biases).T for float32 x on the CPU.");
+  m.def("dequantize", &chatml::dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
+        nb::arg("group_size"), nb::arg("bits"),
+        "The float32 matrix scale * q + bias (for prefill's float32 matmul).");
   m.def("isa", [] { return std::string(chatml::kIsa); }, "The instruction set compiled for.");
   m.def("threads", [] { return chatml::pool().size(); }, "Threads that split output rows.");
   m.def("mlx_version", [] { return std::string(MLX_VERSION_STR); },
