@@ -36,7 +36,7 @@ __all__ = ["NativeInfo", "build", "info", "module", "quantized_matmul"]
 
 SOURCE_DIR = Path(__file__).resolve().parent / "native"
 MODULE = "_chatml_qgemv"
-GEMV_ROWS = 8  # up to this many rows of x use the GEMV kernel; more: dequantize + sgemm
+GEMV_ROWS = 64  # up to this many rows of x use the GEMV kernel; more: dequantize + sgemm
 
 
 @dataclass(frozen=True)

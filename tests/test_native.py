@@ -93,7 +93,7 @@ def test_leading_dims_and_bad_input(mod):
         mod.quantized_gemv(x.astype(mx.bfloat16), w, s, b, 64, 4)
 
 
-@pytest.mark.parametrize("rows", [1, native.GEMV_ROWS, native.GEMV_ROWS + 1, 40])
+@pytest.mark.parametrize("rows", [1, 9, native.GEMV_ROWS, native.GEMV_ROWS + 1])
 def test_quantized_matmul_both_paths(mod, monkeypatch, rows):
     """The GEMV kernel (few rows) and prefill (dequantize + BLAS), native and fallback."""
     x, w, s, b = case(256, 512, 64, 4, mx.bfloat16, M=rows)
