@@ -28,6 +28,7 @@ DEPENDENCIES = [
     "tiktoken>=0.7",
     "pyyaml>=6",
     "platformdirs>=4",
+    "nanobind>=3.1",  # kernels/native: built against MLX at first use when a compiler is present
     # OpenBLAS for MLX's CPU matmuls on Linux (kernels/blas.py): ~40x the stock reference BLAS
     "scipy-openblas32>=0.3.34; sys_platform == 'linux' and platform_machine == 'x86_64'",
     "starlette>=0.40",  # chatml serve

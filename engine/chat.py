@@ -52,6 +52,8 @@ def add_chat_parser(sub) -> None:
                        formatter_class=DefaultsFormatter)  # fmt: skip
     c.add_argument("--model", default=None,
                    help="registry alias, checkpoint folder or Hub id (default: the session's, or tiny)")  # fmt: skip
+    c.add_argument("--quantize", type=int, choices=[8, 4], default=None,
+                   help="quantize a float checkpoint at load (bits; group 64)")  # fmt: skip
     c.add_argument("--system", default=None,
                    help="system prompt (default: the session's, or none)")  # fmt: skip
     c.add_argument("--max-exchanges", type=number(0), default=None,
@@ -469,7 +471,7 @@ def run_chat(args) -> int:
     except ValueError as e:  # before the model loads
         _err(f"chatml chat: {e}")
         return 2
-    eng = engine.load(model, **spec)
+    eng = engine.load(model, quantize=getattr(args, "quantize", None), **spec)
     window = eng.entry.context_window  # what the session gets: no room left for the prompt?
     if args.max_tokens >= window:
         _err(f"chatml chat: --max-tokens {args.max_tokens} "

@@ -79,6 +79,32 @@ def _models(args) -> int:
     return 2
 
 
+def native_path() -> str:
+    """Which path CPU quantized matmuls take, in words (builds the kernels if it can)."""
+    from kernels import native
+
+    got = native.info()
+    if got.active:
+        return f"native ({got.isa}, {got.threads} threads; {got.path})"
+    return f"MLX ops (slower: {got.reason})"
+
+
+def _build_kernels(args) -> int:
+    import time
+
+    from kernels import native
+
+    t0 = time.perf_counter()
+    try:
+        path = native.build(quiet=False)
+    except RuntimeError as err:
+        print(f"chatml build-kernels: {err}", file=sys.stderr)
+        return 1
+    native.reset()
+    print(f"{path} ({time.perf_counter() - t0:.0f} s); quantized CPU path: {native_path()}")
+    return 0
+
+
 def _doctor(args) -> int:
     import platform
 
@@ -107,6 +133,7 @@ def _doctor(args) -> int:
         "blas": info.library,
         "blas_provider": info.provider,
         "blas_note": info.reason,
+        "quantized_cpu_path": native_path(),
         "matmul_gflops_f32": round(blas.measure_gflops(), 1),
         "chatml_home": str(chatml_home()),  # built models, the tokenizer, sessions
     }
@@ -213,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight dtype (build; default: the registry's)")  # fmt: skip
     m.set_defaults(func=_models)
 
+    k = sub.add_parser("build-kernels", help="compile the native CPU kernels into CHATML_HOME",
+                       formatter_class=DefaultsFormatter)  # fmt: skip
+    k.set_defaults(func=_build_kernels)
+
     d = sub.add_parser("doctor", help="backend, BLAS, measured matmul speed, data folder",
                        formatter_class=DefaultsFormatter)  # fmt: skip
     d.add_argument("--json", action="store_true")
@@ -228,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (README: Server)")
     s.add_argument("--model", default="tiny", help="registry alias, checkpoint folder or Hub id")
+    s.add_argument("--quantize", type=int, choices=[8, 4], default=None,
+                   help="quantize a float checkpoint at load (bits; group 64)")  # fmt: skip
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=number(0, 65535), default=8080)
     key = s.add_mutually_exclusive_group()

@@ -25,6 +25,7 @@ from .checkpoints.registry import ModelEntry
 from .checkpoints.tokenizer import Tokenizer
 from .runtime import memory
 from .runtime.model import ModelOptions, Qwen35
+from .runtime.quantized import quantize_model, use_cpu_kernels
 from .runtime.snapshot import CacheBudget
 from .runtime.speculative import LookupDrafter, Speculation
 from .runtime.worker import ModelThread
@@ -207,6 +208,7 @@ def load(
     dtype: str | None = None,
     chunked_delta: bool = True,
     cache_bytes: int | None = None,
+    quantize: int | None = None,
     cache_dir: str | os.PathLike | None = None,
     disk_cache_bytes: int | None = None,
     speculative: str | None = None,
@@ -217,8 +219,10 @@ def load(
     `"tiny"` is built on first use (offline, deterministic) under CHATML_HOME. Hub ids go
     through the ordinary Hugging Face client and its cache (needs network the first time).
     `dtype` overrides the registry's compute dtype for this backend (float32 on CPUs).
-    Quantized checkpoints are dequantized on CPUs (only float32 matmuls use BLAS there) and
-    stay quantized on GPUs.
+    Quantized checkpoints stay quantized: on CPUs their matmuls go through the native kernels
+    (`kernels.native`: a GEMV over the compact weights for decode, float32 BLAS for prefill);
+    mixture-of-experts checkpoints are dequantized on CPUs. `quantize=8|4` quantizes a float
+    checkpoint at load (MLX's affine format, group 64, as `mlx_lm.convert` writes it).
     `cache_bytes` bounds all sessions' caches and snapshots (default: half of what the
     weights leave of the memory MLX may use on this device, see `runtime.memory`). Weights
     that cannot fit the device raise `CheckpointError` (with both sizes) before loading.
@@ -238,7 +242,14 @@ def load(
             f"{name} mixture-of-experts models need a GPU: MLX's CPU gather_mm (the routed "
             "experts) supports float32 only; use dtype='float32' on a CPU"
         )
-    dequantize = backend() == "cpu"
+    if quantize not in (None, 4, 8):
+        raise ValueError(f"quantize must be 8 or 4 (bits), got {quantize!r}")
+    if quantize and ckpt.quantization:
+        raise ValueError(f"quantize={quantize}: {path} is already quantized")
+    cpu = backend() == "cpu"
+    if quantize and cpu and ckpt.entry.arch.is_moe:
+        raise ValueError("quantize= on a CPU supports dense models (MoE experts need float32)")
+    dequantize = cpu and ckpt.entry.arch.is_moe  # dense quantized layers use kernels.native
     mem = memory.device_memory()
     need = weights_nbytes(ckpt, _DTYPES[name].size, dequantize_quantized=dequantize)
     if problem := memory.fits(need, mem):  # before loading: not a swap storm or a crash
@@ -250,6 +261,13 @@ def load(
         mx.set_wired_limit(wired)
     net = Qwen35(ckpt.entry.arch, ModelOptions(chunked_delta=chunked_delta))
     load_weights(ckpt, net, _DTYPES[name], dequantize_quantized=dequantize)
+    if quantize:
+        quantize_model(net, quantize)
+    if cpu and (quantize or (ckpt.quantization and not dequantize)):
+        from kernels import native
+
+        native.module()  # build (once, into CHATML_HOME) or report the fallback now, not mid-turn
+        use_cpu_kernels(net)
     tok = load_tokenizer(path)
     stops = tuple(tok.token_id(t) for t in ckpt.entry.stop_tokens)
     if cache_bytes is None:

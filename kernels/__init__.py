@@ -1,4 +1,5 @@
-"""Compute kernels: chunked gated delta rule, fast BLAS for MLX on Linux CPUs.
+"""Compute kernels: chunked gated delta rule, fast BLAS for MLX on Linux CPUs, native
+quantized GEMV (`kernels.native`, built at first use).
 
 ``import kernels`` and ``import kernels.blas`` must not import mlx: ``kernels.blas.enable()``
 has to load the BLAS library before mlx's shared library is loaded. The MLX kernels are

@@ -54,6 +54,16 @@ def test_doctor_reports_backend_and_blas(capsys):
     assert len(report["mlx_backend_packages"]) == 1, report["mlx_backend_packages"]
     assert report["matmul_gflops_f32"] > 0
     assert report["blas"]
+    # a compiler is present here: the quantized CPU path is the native one (kernels/native)
+    assert report["quantized_cpu_path"].startswith("native ("), report["quantized_cpu_path"]
+
+
+def test_build_kernels_names_the_module_and_the_path(capsys):
+    from kernels import native
+
+    assert main(["build-kernels"]) == 0
+    out = capsys.readouterr().out
+    assert str(native.build_dir()) in out and "quantized CPU path: native (" in out
 
 
 def test_a_bad_model_is_a_message_not_a_traceback(capsys):

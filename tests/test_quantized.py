@@ -2,8 +2,10 @@
 
 The dense tiny at 4 and 8 bits, and the MoE tiny at 4 bits, which mlx-lm converts with mixed
 precision: the router (`mlp.gate`) and `shared_expert_gate` at 8 bits, recorded per module
-path in config.json. Loaded two ways: dequantized (what a CPU engine does) and kept
-quantized (what a GPU engine does, forced here on the CPU).
+path in config.json. Loaded the ways an engine does: dense ones kept quantized on the CPU
+(through kernels.native: the GEMV kernel for decode, dequantized BLAS for prefill; and with the
+native kernels off, MLX's ops: tests/test_native.py), MoE ones dequantized on the CPU, and the GPU path (plain MLX
+quantized layers) forced here on the CPU.
 """
 
 import json
@@ -15,6 +17,8 @@ import pytest
 import engine
 from engine.checkpoints.loader import inspect, load_weights, weights_nbytes
 from engine.runtime.model import ModelOptions, Qwen35
+from engine.runtime.quantized import CpuQuantizedLinear
+from kernels import native
 
 PROMPT = "<|im_start|>user\nHello, 你好! How are you?<|im_end|>\n<|im_start|>assistant\n"
 TOL = 1e-4  # float32 activations on both sides; the quantized weights are the same numbers
@@ -50,17 +54,30 @@ def mlx_lm_logits(path, ids):
     return ref(mx.array([ids]), cache=ref.make_cache())
 
 
-def test_dequantized_on_the_cpu_and_matches_mlx_lm(quantized):
+def prefill_and_steps(model, ids, steps=3):
+    """Logits of a prefill of all but the last `steps` ids, then one-token decode steps."""
+    caches = model.make_caches()
+    first = model(mx.array([ids[:-steps]]), caches)
+    return mx.concatenate([first] + [model(mx.array([[t]]), caches) for t in ids[-steps:]], 1)
+
+
+def test_on_the_cpu_and_matches_mlx_lm(quantized):
     from mlx_lm import load, stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     source, path = quantized
     ours = engine.load(str(path))
-    assert not any("Quantized" in type(m).__name__ for m in leaves(ours.model).values())
-    assert ours.model.layers[0].linear_attn.in_proj_qkv.weight.dtype == mx.float32
+    assert native.info().active
+    moe = source.entry.arch.is_moe
+    qkv = ours.model.layers[0].linear_attn.in_proj_qkv
+    if moe:  # dequantized: MLX's CPU gather_mm (the routed experts) is float32 only
+        assert not any("Quantized" in type(m).__name__ for m in leaves(ours.model).values())
+        assert qkv.weight.dtype == mx.float32
+    else:  # kept compact
+        assert type(qkv) is CpuQuantizedLinear and qkv.weight.dtype == mx.uint32
     # the size checked against the device before loading is the size loaded (8-bit routers
     # are estimated at the default bits: within 1%)
-    estimate = weights_nbytes(ours.checkpoint, 4, dequantize_quantized=True)
+    estimate = weights_nbytes(ours.checkpoint, 4, dequantize_quantized=moe)
     assert abs(estimate - nbytes(ours.model)) <= 0.01 * nbytes(ours.model)
 
     ids = source.tokenizer.encode(PROMPT)
@@ -76,6 +93,9 @@ def test_dequantized_on_the_cpu_and_matches_mlx_lm(quantized):
                                                    sampler=make_sampler(temp=0.0))
                   if r.finish_reason != "stop"]  # fmt: skip
     assert turn.token_ids == mlx_tokens
+    # decode steps (one row: the GEMV kernel) agree with mlx-lm's too
+    got = prefill_and_steps(ours.model, ids)
+    assert mx.abs(got - mlx_lm_logits(path, ids)).max().item() < TOL
 
 
 def test_kept_quantized_with_per_module_bits_as_recorded(quantized):

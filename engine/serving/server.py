@@ -654,7 +654,10 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 1
     with sock:
-        eng = engine_pkg.load(args.model, cache_bytes=args.cache_bytes, **speculative)
+        eng = engine_pkg.load(
+            args.model, cache_bytes=args.cache_bytes, quantize=getattr(args, "quantize", None),
+            **speculative,
+        )  # fmt: skip
         try:
             warm = load_warm_prompts(args.warm_prompts, eng) if args.warm_prompts else None
         except ValueError as e:

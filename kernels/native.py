@@ -1,0 +1,245 @@
+"""Native CPU kernels (kernels/native/*.cpp) built against the installed MLX, at first use.
+
+MLX's own CPU ``quantized_matmul`` runs a decode step's 4/8-bit GEMVs at ~1 GB/s; the native
+primitive (``kernels/native/qgemv.cpp``, an MLX ``Primitive`` with ``eval_cpu``) reads the
+compact weights at memory speed. It is compiled with CMake against MLX's exported package and
+nanobind into ``CHATML_HOME/kernels/<key>/``, keyed by MLX version, nanobind version, Python,
+machine and a hash of the sources, so an MLX upgrade rebuilds instead of loading a module
+built for another ABI. ``chatml build-kernels`` builds it explicitly.
+
+Without a compiler, CMake or nanobind (or with ``CHATML_NATIVE=0``) everything still works
+through the Python path (MLX's ops), and one line on stderr says why, once per process.
+``CHATML_NATIVE=build`` is the default (build when missing); ``CHATML_NATIVE=cached`` only
+loads an existing build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["NativeInfo", "build", "info", "module", "quantized_matmul"]
+
+SOURCE_DIR = Path(__file__).resolve().parent / "native"
+MODULE = "_chatml_qgemv"
+GEMV_ROWS = 64  # up to this many rows of x use the GEMV kernel; more: dequantize + sgemm
+
+
+@dataclass(frozen=True)
+class NativeInfo:
+    """Which path CPU quantized matmuls take."""
+
+    path: str  # the built module's file, or "" when the Python path runs
+    isa: str = ""  # "avx512", "avx2" or "generic"
+    threads: int = 0
+    reason: str = ""  # why the Python path runs, if it does
+
+    @property
+    def active(self) -> bool:
+        return bool(self.path)
+
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_info: NativeInfo | None = None
+
+
+def _mode() -> str:
+    value = os.environ.get("CHATML_NATIVE", "build").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return "off"
+    return "cached" if value == "cached" else "build"
+
+
+def _versions() -> dict[str, str]:
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "none"
+
+    return {
+        "mlx": version("mlx"),
+        "nanobind": version("nanobind"),
+        "python": sysconfig.get_config_var("SOABI") or sys.version.split()[0],
+        "machine": platform.machine(),
+    }
+
+
+def _key() -> str:
+    """Cache key: tool versions, interpreter ABI, machine and the sources' bytes."""
+    digest = hashlib.sha256(repr(sorted(_versions().items())).encode())
+    for f in sorted(SOURCE_DIR.iterdir()):
+        if f.suffix in (".cpp", ".h", ".txt"):
+            digest.update(f.name.encode() + f.read_bytes())
+    return f"mlx{_versions()['mlx']}-{digest.hexdigest()[:16]}"
+
+
+def build_dir() -> Path:
+    from engine.paths import chatml_home
+
+    return chatml_home() / "kernels" / _key()
+
+
+def _built_file(folder: Path) -> Path | None:
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        if (folder / f"{MODULE}{suffix}").exists():
+            return folder / f"{MODULE}{suffix}"
+    return None
+
+
+def _missing_tool() -> str | None:
+    """Why a build cannot run here, or None."""
+    if shutil.which("cmake") is None:
+        return "no cmake on PATH"
+    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        return "no C++ compiler on PATH"
+    if importlib.util.find_spec("nanobind") is None:
+        return "package nanobind is not installed"
+    return None
+
+
+def build(*, quiet: bool = True) -> Path:
+    """Compile the native module into CHATML_HOME (if not already there); returns its path.
+
+    Raises RuntimeError naming the missing tool or the compiler's last output lines.
+    """
+    folder = build_dir()
+    if (done := _built_file(folder)) is not None:
+        return done
+    if (why := _missing_tool()) is not None:
+        raise RuntimeError(why)
+    import mlx
+    import nanobind
+
+    mlx_cmake = Path(next(iter(mlx.__path__))) / "share" / "cmake" / "MLX"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".build-") as tmp:
+        configure = [
+            "cmake", "-S", str(SOURCE_DIR), "-B", tmp, f"-DMLX_DIR={mlx_cmake}",
+            f"-Dnanobind_DIR={nanobind.cmake_dir()}", f"-DPython_EXECUTABLE={sys.executable}",
+            "-DCMAKE_BUILD_TYPE=Release",
+        ]  # fmt: skip
+        if shutil.which("ninja"):
+            configure += ["-G", "Ninja"]
+        for cmd in (configure, ["cmake", "--build", tmp, "-j", str(os.cpu_count() or 1)]):
+            run = subprocess.run(cmd, capture_output=quiet, text=True)
+            if run.returncode != 0:
+                tail = "\n".join(((run.stdout or "") + (run.stderr or "")).splitlines()[-15:])
+                raise RuntimeError(f"{' '.join(cmd[:2])} failed:\n{tail}")
+        made = _built_file(Path(tmp))
+        if made is None:
+            raise RuntimeError(f"the build left no {MODULE} module in {tmp}")
+        staged = Path(tmp) / "out"
+        staged.mkdir()
+        shutil.copy2(made, staged / made.name)
+        try:
+            os.replace(staged, folder)  # atomic: a concurrent build either wins or loses whole
+        except OSError:
+            if _built_file(folder) is None:
+                raise
+    return _built_file(folder)
+
+
+def _import(file: Path) -> ModuleType:
+    import mlx.core as mx  # registers mx.array with nanobind before the module binds to it
+
+    spec = importlib.util.spec_from_file_location(MODULE, file)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if mod.mlx_version() != mx.__version__:
+        raise RuntimeError(f"built for MLX {mod.mlx_version()}, running MLX {mx.__version__}")
+    try:  # a nanobind whose ABI differs from mlx.core's cannot take an mx.array
+        w, scales, biases = mx.quantize(mx.ones((1, 64)), group_size=64, bits=8)
+        mx.eval(mod.quantized_gemv(mx.ones((1, 64)), w, scales, biases, 64, 8))
+    except TypeError as err:
+        raise RuntimeError(f"the module does not accept mx.array (nanobind ABI): {err}") from None
+    return mod
+
+
+def _load() -> tuple[ModuleType | None, NativeInfo]:
+    mode = _mode()
+    if mode == "off":
+        return None, NativeInfo("", reason="disabled by CHATML_NATIVE=0")
+    try:
+        file = _built_file(build_dir())
+        if file is None:
+            if mode == "cached":
+                raise RuntimeError("not built (CHATML_NATIVE=cached; run `chatml build-kernels`)")
+            t0 = time.perf_counter()
+            file = build()
+            print(
+                f"chatml: built native CPU kernels in {time.perf_counter() - t0:.0f} s "
+                f"({file.parent})", file=sys.stderr,
+            )  # fmt: skip
+        mod = _import(file)
+    except Exception as err:  # no compiler, failed build, ABI mismatch: the Python path runs
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(
+            f"chatml: native CPU kernels unavailable ({reason}); quantized matmuls use MLX's "
+            "slower ops (`chatml doctor` explains, `chatml build-kernels` retries)",
+            file=sys.stderr,
+        )
+        return None, NativeInfo("", reason=str(err).strip())
+    return mod, NativeInfo(str(file), mod.isa(), mod.threads())
+
+
+def module() -> ModuleType | None:
+    """The native module (built on first call if needed), or None on the Python path."""
+    global _module, _info
+    with _lock:
+        if _info is None:
+            _module, _info = _load()
+        return _module
+
+
+def info() -> NativeInfo:
+    """Which path runs (loads or builds the module on first call, like `module()`)."""
+    module()
+    return _info
+
+
+def reset() -> None:
+    """Forget the loaded state so the next call looks again (tests, `build-kernels`)."""
+    global _module, _info
+    with _lock:
+        _module, _info = None, None
+
+
+def quantized_matmul(x, w, scales, biases, group_size: int, bits: int):
+    """``x @ dequantize(w).T`` on the CPU: the native GEMV for a few rows, else float32 BLAS.
+
+    Prefill (many rows) dequantizes the matrix per call (natively: MLX's CPU dequantize is
+    slow) and multiplies in float32, which reaches the fast sgemm; MLX's quantized_matmul is
+    far slower there on a CPU.
+    """
+    import mlx.core as mx
+
+    mod = module()
+    rows = x.size // x.shape[-1]
+    if mod is not None and rows <= GEMV_ROWS and x.dtype == mx.float32 and bits in (4, 8):
+        return mod.quantized_gemv(x, w, scales, biases, group_size, bits)
+    if rows <= GEMV_ROWS:
+        return mx.quantized_matmul(
+            x, w, scales, biases, transpose=True, group_size=group_size, bits=bits
+        )
+    if mod is not None and x.dtype == mx.float32 and bits in (4, 8):
+        return x @ mod.dequantize(w, scales, biases, group_size, bits).T
+    # scales in float32 first: dequantizing at bfloat16 scales would round the weights
+    f32 = mx.float32
+    weight = mx.dequantize(w, scales.astype(f32), biases.astype(f32), group_size, bits)
+    return x @ weight.astype(x.dtype).T

@@ -1,0 +1,630 @@
+// Quantized GEMV on the CPU as an MLX primitive: y = x @ dequantize(w).T for a few rows of x.
+//
+// The weights stay in MLX's affine layout, as mlx-community checkpoints store them: `w` is
+// uint32 [N, K * bits / 32] with the lowest bits holding the first element, `scales` and
+// `biases` are [N, K / group_size], and w_real[n, k] = scale[n, g] * q[n, k] + bias[n, g].
+// Activations are not quantized (the same math as mlx-lm), so per output row:
+//   y[n] = sum_g scale[n, g] * dot(q[n, g], x[g]) + bias[n, g] * sum(x[g])
+// The group sums of x and, for 4 bits, x with each 32-block reordered evens-then-odds (so
+// that low and high nibbles meet contiguous activations) are computed once per call; output
+// rows are split over a small pool of threads. Decode is memory bound: the kernels only need
+// to turn bytes into floats faster than memory delivers them.
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace nb = nanobind;
+using namespace mlx::core;
+
+namespace chatml {
+
+// ---------------------------------------------------------------- thread pool
+
+// Workers spin briefly after each job (a decode step issues hundreds of small GEMVs back to
+// back), then sleep on a condition variable so an idle engine costs no CPU.
+class Pool {
+ public:
+  explicit Pool(int threads) {
+    for (int i = 1; i < threads; ++i) {
+      workers_.emplace_back([this, i] { loop(i); });
+    }
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+      generation_.fetch_add(1);
+    }
+    wake_.notify_all();
+    for (auto& t : workers_) {
+      t.join();
+    }
+  }
+  int size() const {
+    return static_cast<int>(workers_.size()) + 1;
+  }
+  // Runs job(part, parts) for part in [0, parts) and returns when all are done. Callers
+  // on different MLX streams (threads) take turns: there is one job slot.
+  void run(const std::function<void(int, int)>& job, int parts) {
+    if (parts <= 1 || workers_.empty()) {
+      job(0, 1);
+      return;
+    }
+    parts = std::min(parts, size());
+    std::lock_guard<std::mutex> turn(run_mutex_);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = &job;
+      parts_ = parts;
+      pending_.store(parts - 1);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_all();
+    job(0, parts);
+    while (pending_.load(std::memory_order_acquire) != 0) {
+      pause();
+    }
+  }
+
+ private:
+  static void pause() {
+#if defined(__x86_64__)
+    _mm_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+  void loop(int index) {
+    uint64_t seen = 0;
+    while (true) {
+      uint64_t now = generation_.load(std::memory_order_acquire);
+      for (int spin = 0; now == seen && spin < 4000; ++spin) {
+        pause();
+        now = generation_.load(std::memory_order_acquire);
+      }
+      if (now == seen) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_.load() != seen; });
+        now = generation_.load();
+      }
+      seen = now;
+      const std::function<void(int, int)>* job;
+      int parts;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (stop_) {
+          return;
+        }
+        job = job_;
+        parts = parts_;
+      }
+      if (index < parts) {
+        (*job)(index, parts);
+        pending_.fetch_sub(1, std::memory_order_acq_rel);
+      }
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex run_mutex_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> pending_{0};
+  const std::function<void(int, int)>* job_ = nullptr;
+  int parts_ = 0;
+  bool stop_ = false;
+};
+
+static int default_threads() {
+  if (const char* env = std::getenv("CHATML_GEMV_THREADS")) {
+    int n = std::atoi(env);
+    if (n > 0) {
+      return n;
+    }
+  }
+  unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(n);
+}
+
+static Pool& pool() {
+  static Pool p(default_threads());
+  return p;
+}
+
+// ---------------------------------------------------------------- kernels
+
+// One output row's dot product over `groups` groups, for one activation row.
+// xs: activations (reordered per 32-block for 4 bits), xsum: group sums of x.
+template <int BITS, typename S>
+struct Generic {
+  static float row(const uint8_t* w, const S* scales, const S* biases, const float* xs,
+                   const float* xsum, int groups, int gs) {
+    float total = 0.0f;
+    for (int g = 0; g < groups; ++g) {
+      float acc[16] = {0};
+      const float* x = xs + g * gs;
+      if (BITS == 8) {
+        const uint8_t* q = w + g * gs;
+        for (int c = 0; c < gs; c += 16) {
+          for (int j = 0; j < 16; ++j) {
+            acc[j] += static_cast<float>(q[c + j]) * x[c + j];
+          }
+        }
+      } else {
+        const uint8_t* q = w + g * gs / 2;
+        for (int c = 0; c < gs; c += 32) {
+          for (int j = 0; j < 16; ++j) {
+            uint8_t b = q[c / 2 + j];
+            acc[j] += static_cast<float>(b & 15) * x[c + j];
+            acc[j] += static_cast<float>(b >> 4) * x[c + 16 + j];
+          }
+        }
+      }
+      float dot = 0.0f;
+      for (int j = 0; j < 16; ++j) {
+        dot += acc[j];
+      }
+      total += static_cast<float>(scales[g]) * dot + static_cast<float>(biases[g]) * xsum[g];
+    }
+    return total;
+  }
+  static void rows(const uint8_t* w, size_t, const S* scales, const S* biases, const float* xs,
+                   const float* xsum, int groups, int gs, float* y) {
+    y[0] = row(w, scales, biases, xs, xsum, groups, gs);
+  }
+};
+
+#if defined(__AVX512F__)
+constexpr int kBlock = 32;  // 4-bit reorder block: 16 low + 16 high nibbles per 16 bytes
+constexpr const char* kIsa = "avx512";
+constexpr int kRows = 4;  // output rows per pass: each activation load feeds four rows
+
+// R output rows at once (rows `stride` bytes apart); writes y[0..R).
+template <int BITS, typename S, int R>
+static inline void rows_avx512(const uint8_t* w, size_t stride, const S* scales,
+                               const S* biases, int groups_stride, const float* xs,
+                               const float* xsum, int groups, int gs, float* y) {
+  __m512 total[R];
+  float bias_part[R];
+  for (int r = 0; r < R; ++r) {
+    total[r] = _mm512_setzero_ps();
+    bias_part[r] = 0.0f;
+  }
+  const __m512i low = _mm512_set1_epi32(15);
+  for (int g = 0; g < groups; ++g) {
+    const float* x = xs + g * gs;
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm512_setzero_ps();
+      acc[r][1] = _mm512_setzero_ps();
+    }
+    for (int c = 0; c < gs; c += 32) {
+      __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
+      for (int r = 0; r < R; ++r) {
+        if (BITS == 8) {
+          const uint8_t* q = w + r * stride + g * gs + c;
+          __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+          __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 16)));
+          acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v0), x0, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v1), x1, acc[r][1]);
+        } else {
+          const uint8_t* q = w + r * stride + (g * gs + c) / 2;
+          __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+          __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
+          __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+          acc[r][0] = _mm512_fmadd_ps(lo, x0, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(hi, x1, acc[r][1]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const size_t at = static_cast<size_t>(r) * groups_stride + g;
+      __m512 scale = _mm512_set1_ps(static_cast<float>(scales[at]));
+      total[r] = _mm512_fmadd_ps(scale, _mm512_add_ps(acc[r][0], acc[r][1]), total[r]);
+      bias_part[r] += static_cast<float>(biases[at]) * xsum[g];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    y[r] = _mm512_reduce_add_ps(total[r]) + bias_part[r];
+  }
+}
+
+template <int BITS, typename S>
+struct Simd {
+  static float row(const uint8_t* w, const S* scales, const S* biases, const float* xs,
+                   const float* xsum, int groups, int gs) {
+    float y;
+    rows_avx512<BITS, S, 1>(w, 0, scales, biases, groups, xs, xsum, groups, gs, &y);
+    return y;
+  }
+  static void rows(const uint8_t* w, size_t stride, const S* scales, const S* biases,
+                   const float* xs, const float* xsum, int groups, int gs, float* y) {
+    rows_avx512<BITS, S, kRows>(w, stride, scales, biases, groups, xs, xsum, groups, gs, y);
+  }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kBlock = 16;  // 8 low + 8 high nibbles per 8 bytes
+constexpr const char* kIsa = "avx2";
+constexpr int kRows = 1;
+
+static inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int BITS, typename S>
+struct Simd {
+  static float row(const uint8_t* w, const S* scales, const S* biases, const float* xs,
+                   const float* xsum, int groups, int gs) {
+    __m256 total0 = _mm256_setzero_ps(), total1 = _mm256_setzero_ps();
+    float bias_part = 0.0f;
+    const __m256i low = _mm256_set1_epi32(15);
+    for (int g = 0; g < groups; ++g) {
+      const float* x = xs + g * gs;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      if (BITS == 8) {
+        const uint8_t* q = w + g * gs;
+        for (int c = 0; c < gs; c += 16) {
+          __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + c)));
+          __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + c + 8)));
+          a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v0), _mm256_loadu_ps(x + c), a0);
+          a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v1), _mm256_loadu_ps(x + c + 8), a1);
+        }
+      } else {
+        const uint8_t* q = w + g * gs / 2;
+        for (int c = 0; c < gs; c += 16) {
+          __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + c / 2)));
+          __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
+          __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+          a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + c), a0);
+          a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + c + 8), a1);
+        }
+      }
+      __m256 scale = _mm256_set1_ps(static_cast<float>(scales[g]));
+      if (g & 1) {
+        total1 = _mm256_fmadd_ps(scale, _mm256_add_ps(a0, a1), total1);
+      } else {
+        total0 = _mm256_fmadd_ps(scale, _mm256_add_ps(a0, a1), total0);
+      }
+      bias_part += static_cast<float>(biases[g]) * xsum[g];
+    }
+    return hsum256(_mm256_add_ps(total0, total1)) + bias_part;
+  }
+  static void rows(const uint8_t* w, size_t, const S* scales, const S* biases, const float* xs,
+                   const float* xsum, int groups, int gs, float* y) {
+    y[0] = row(w, scales, biases, xs, xsum, groups, gs);
+  }
+};
+#else
+constexpr int kBlock = 32;
+constexpr const char* kIsa = "generic";
+constexpr int kRows = 1;
+template <int BITS, typename S>
+using Simd = Generic<BITS, S>;
+#endif
+
+// Which kernel family runs: CHATML_GEMV_ISA=generic forces the portable one (for tests).
+static bool use_generic() {
+  const char* env = std::getenv("CHATML_GEMV_ISA");
+  return env != nullptr && std::string(env) == "generic";
+}
+
+template <int BITS, typename S>
+void gemv(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y, int M,
+          int N, int K, int gs) {
+  const int groups = K / gs;
+  const bool generic = use_generic();
+  const int block = generic ? 32 : kBlock;
+  // Prepared activations: [M, K] reordered for 4 bits, and [M, groups] group sums.
+  std::vector<float> xs(static_cast<size_t>(M) * K), xsum(static_cast<size_t>(M) * groups);
+  for (int m = 0; m < M; ++m) {
+    const float* xm = x + static_cast<size_t>(m) * K;
+    float* out = xs.data() + static_cast<size_t>(m) * K;
+    for (int g = 0; g < groups; ++g) {
+      double s = 0.0;
+      for (int k = g * gs; k < (g + 1) * gs; ++k) {
+        s += xm[k];
+      }
+      xsum[static_cast<size_t>(m) * groups + g] = static_cast<float>(s);
+    }
+    if (BITS == 8) {
+      std::copy(xm, xm + K, out);
+    } else {
+      for (int b = 0; b < K; b += block) {
+        for (int j = 0; j < block / 2; ++j) {
+          out[b + j] = xm[b + 2 * j];
+          out[b + block / 2 + j] = xm[b + 2 * j + 1];
+        }
+      }
+    }
+  }
+  const size_t row_bytes = static_cast<size_t>(K) * BITS / 8;
+  auto job = [&](int part, int parts) {
+    // Contiguous ranges of rows, multiples of 16 so threads do not share cache lines of y.
+    int chunk = ((N + parts - 1) / parts + 15) / 16 * 16;
+    int n0 = std::min(N, part * chunk), n1 = std::min(N, n0 + chunk);
+    int n = n0;
+    if (!generic && kRows > 1) {  // the common decode case: blocks of rows share x loads
+      float out[kRows];
+      for (; n + kRows <= n1; n += kRows) {
+        const uint8_t* wn = w + n * row_bytes;
+        const S* sn = scales + static_cast<size_t>(n) * groups;
+        const S* bn = biases + static_cast<size_t>(n) * groups;
+        for (int m = 0; m < M; ++m) {
+          Simd<BITS, S>::rows(wn, row_bytes, sn, bn, xs.data() + static_cast<size_t>(m) * K,
+                              xsum.data() + static_cast<size_t>(m) * groups, groups, gs, out);
+          for (int r = 0; r < kRows; ++r) {
+            y[static_cast<size_t>(m) * N + n + r] = out[r];
+          }
+        }
+      }
+    }
+    for (; n < n1; ++n) {
+      const uint8_t* wn = w + n * row_bytes;
+      const S* sn = scales + static_cast<size_t>(n) * groups;
+      const S* bn = biases + static_cast<size_t>(n) * groups;
+      for (int m = 0; m < M; ++m) {
+        const float* xm = xs.data() + static_cast<size_t>(m) * K;
+        const float* sm = xsum.data() + static_cast<size_t>(m) * groups;
+        y[static_cast<size_t>(m) * N + n] =
+            generic ? Generic<BITS, S>::row(wn, sn, bn, xm, sm, groups, gs)
+                    : Simd<BITS, S>::row(wn, sn, bn, xm, sm, groups, gs);
+      }
+    }
+  };
+  // Small matrices are not worth waking the pool.
+  size_t bytes = row_bytes * N;
+  int parts = bytes < (64u << 10) ? 1 : pool().size();
+  pool().run(job, parts);
+}
+
+template <typename S>
+void dispatch_bits(int bits, const float* x, const uint8_t* w, const S* s, const S* b, float* y,
+                   int M, int N, int K, int gs) {
+  if (bits == 8) {
+    gemv<8, S>(x, w, s, b, y, M, N, K, gs);
+  } else {
+    gemv<4, S>(x, w, s, b, y, M, N, K, gs);
+  }
+}
+
+// Float32 weights for prefill's sgemm: out[n, k] = scale * q + bias, rows over the pool.
+template <int BITS, typename S>
+void dequantize_rows(const uint8_t* w, const S* scales, const S* biases, float* out, int N,
+                     int K, int gs) {
+  const int groups = K / gs;
+  const size_t row_bytes = static_cast<size_t>(K) * BITS / 8;
+  auto job = [&](int part, int parts) {
+    int chunk = (N + parts - 1) / parts;
+    int n0 = std::min(N, part * chunk), n1 = std::min(N, n0 + chunk);
+    for (int n = n0; n < n1; ++n) {
+      const uint8_t* q = w + n * row_bytes;
+      float* o = out + static_cast<size_t>(n) * K;
+      for (int g = 0; g < groups; ++g) {
+        const float sc = static_cast<float>(scales[static_cast<size_t>(n) * groups + g]);
+        const float bi = static_cast<float>(biases[static_cast<size_t>(n) * groups + g]);
+        if (BITS == 8) {
+          for (int j = 0; j < gs; ++j) {
+            o[g * gs + j] = sc * static_cast<float>(q[g * gs + j]) + bi;
+          }
+        } else {
+          for (int j = 0; j < gs / 2; ++j) {
+            uint8_t b = q[g * gs / 2 + j];
+            o[g * gs + 2 * j] = sc * static_cast<float>(b & 15) + bi;
+            o[g * gs + 2 * j + 1] = sc * static_cast<float>(b >> 4) + bi;
+          }
+        }
+      }
+    }
+  };
+  pool().run(job, pool().size());
+}
+
+// ---------------------------------------------------------------- the primitive
+
+class QuantizedGemv : public UnaryPrimitive {
+ public:
+  QuantizedGemv(Stream stream, int group_size, int bits)
+      : UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    const array& x = inputs[0];
+    const array& w = inputs[1];
+    const array& scales = inputs[2];
+    const array& biases = inputs[3];
+    out.set_data(allocator::malloc(out.nbytes()));
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (const array& a : inputs) {
+      encoder.set_input_array(a);
+    }
+    encoder.set_output_array(out);
+    const int M = x.shape(0), K = x.shape(1), N = out.shape(1);
+    encoder.dispatch([xp = x.data<float>(), wp = w.data<uint8_t>(), sp = scales.data<void>(),
+                      bp = biases.data<void>(), yp = out.data<float>(), dtype = scales.dtype(),
+                      bits = bits_, gs = group_size_, M, N, K]() {
+      if (dtype == float32) {
+        dispatch_bits(bits, xp, wp, (const float*)sp, (const float*)bp, yp, M, N, K, gs);
+      } else if (dtype == float16) {
+        dispatch_bits(bits, xp, wp, (const float16_t*)sp, (const float16_t*)bp, yp, M, N, K, gs);
+      } else {
+        dispatch_bits(bits, xp, wp, (const bfloat16_t*)sp, (const bfloat16_t*)bp, yp, M, N, K,
+                      gs);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("[chatml.quantized_gemv] runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "ChatmlQuantizedGemv";
+  }
+
+  bool is_equivalent(const Primitive& other) const override {
+    auto& o = static_cast<const QuantizedGemv&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    return {{inputs[0].shape(0), inputs[1].shape(0)}};
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+class QuantizedDequantize : public UnaryPrimitive {
+ public:
+  QuantizedDequantize(Stream stream, int group_size, int bits)
+      : UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    const array& w = inputs[0];
+    const array& scales = inputs[1];
+    const array& biases = inputs[2];
+    out.set_data(allocator::malloc(out.nbytes()));
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (const array& a : inputs) {
+      encoder.set_input_array(a);
+    }
+    encoder.set_output_array(out);
+    const int N = out.shape(0), K = out.shape(1);
+    encoder.dispatch([wp = w.data<uint8_t>(), sp = scales.data<void>(), bp = biases.data<void>(),
+                      op = out.data<float>(), dtype = scales.dtype(), bits = bits_,
+                      gs = group_size_, N, K]() {
+      auto run = [&](auto* s, auto* b) {
+        using S = std::remove_cv_t<std::remove_pointer_t<decltype(s)>>;
+        if (bits == 8) {
+          dequantize_rows<8, S>(wp, s, b, op, N, K, gs);
+        } else {
+          dequantize_rows<4, S>(wp, s, b, op, N, K, gs);
+        }
+      };
+      if (dtype == float32) {
+        run((const float*)sp, (const float*)bp);
+      } else if (dtype == float16) {
+        run((const float16_t*)sp, (const float16_t*)bp);
+      } else {
+        run((const bfloat16_t*)sp, (const bfloat16_t*)bp);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("[chatml.dequantize] runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "ChatmlQuantizedDequantize";
+  }
+
+  bool is_equivalent(const Primitive& other) const override {
+    auto& o = static_cast<const QuantizedDequantize&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    return {{inputs[0].shape(0), inputs[0].shape(1) * 32 / bits_}};
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+static void check(bool ok, const std::string& what) {
+  if (!ok) {
+    throw std::invalid_argument("[chatml.quantized_gemv] " + what);
+  }
+}
+
+// Checks w, scales and biases; returns the row length K.
+static int check_weights(const array& w, const array& scales, const array& biases,
+                         int group_size, int bits) {
+  check(bits == 4 || bits == 8, "bits must be 4 or 8, got " + std::to_string(bits));
+  check(group_size == 32 || group_size == 64 || group_size == 128,
+        "group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  check(w.dtype() == uint32 && w.ndim() == 2, "w must be a 2-D uint32 array");
+  const int N = w.shape(0), K = w.shape(1) * 32 / bits;
+  check(K % group_size == 0, "the row length must be a multiple of group_size");
+  Shape groups{N, K / group_size};
+  check(scales.shape() == groups && biases.shape() == groups,
+        "scales and biases must be [N, K / group_size]");
+  check(scales.dtype() == biases.dtype() &&
+            (scales.dtype() == float32 || scales.dtype() == float16 ||
+             scales.dtype() == bfloat16),
+        "scales and biases must share a float dtype (float32, float16, bfloat16)");
+  return K;
+}
+
+// x [..., K] float32 times dequantize(w, scales, biases).T -> [..., N] float32.
+array quantized_gemv(const array& x, const array& w, const array& scales, const array& biases,
+                     int group_size, int bits) {
+  const int K = check_weights(w, scales, biases, group_size, bits);
+  const int N = w.shape(0);
+  check(x.dtype() == float32 && x.ndim() >= 1, "x must be a float32 array");
+  std::ostringstream shapes;
+  shapes << "x has " << x.shape(-1) << " columns, w holds " << K << " per row";
+  check(x.shape(-1) == K, shapes.str());
+  Stream s = default_stream(Device::cpu);
+  int M = static_cast<int>(x.size() / K);
+  array x2 = contiguous(reshape(x, {M, K}, s), false, s);
+  array y(Shape{M, N}, float32, std::make_shared<QuantizedGemv>(s, group_size, bits),
+          {x2, contiguous(w, false, s), contiguous(scales, false, s),
+           contiguous(biases, false, s)});
+  Shape out_shape = x.shape();
+  out_shape.back() = N;
+  return reshape(y, out_shape, s);
+}
+
+// The float32 matrix [N, K] (scale * q + bias, as mx.dequantize computes it in float32).
+array dequantize(const array& w, const array& scales, const array& biases, int group_size,
+                 int bits) {
+  const int K = check_weights(w, scales, biases, group_size, bits);
+  Stream s = default_stream(Device::cpu);
+  return array(Shape{w.shape(0), K}, float32,
+               std::make_shared<QuantizedDequantize>(s, group_size, bits),
+               {contiguous(w, false, s), contiguous(scales, false, s),
+                contiguous(biases, false, s)});
+}
+
+}  // namespace chatml
+
+NB_MODULE(_chatml_qgemv, m) {
+  m.doc() = "Quantized GEMV (MLX affine layout, 4 and 8 bits) as an MLX CPU primitive";
+  m.def("quantized_gemv", &chatml::quantized_gemv, nb::arg("x"), nb::arg("w"),
+        nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"),
+        "x @ dequantize(w, scales, biases).T for float32 x on the CPU.");
+  m.def("dequantize", &chatml::dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
+        nb::arg("group_size"), nb::arg("bits"),
+        "The float32 matrix scale * q + bias (for prefill's float32 matmul).");
+  m.def("isa", [] { return std::string(chatml::kIsa); }, "The instruction set compiled for.");
+  m.def("threads", [] { return chatml::pool().size(); }, "Threads that split output rows.");
+  m.def("mlx_version", [] { return std::string(MLX_VERSION_STR); },
+        "The MLX version this module was compiled against.");
+}

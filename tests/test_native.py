@@ -1,0 +1,199 @@
+"""The native quantized GEMV (kernels/native) against a float64 numpy reference, its fallback,
+its build/fallback reporting, and `engine.load(quantize=...)` against mlx-lm.
+
+Tolerance (every format): |y - ref| <= 2e-6 * (|W| @ |x|) per output, W the dequantized
+matrix in float64. The kernels accumulate in float32 (K = 512..2048 terms, partial sums per
+group and lane), so the error is bounded by a few float32 ulps of the sum of magnitudes; the
+scales and biases are used at their stored precision on both sides.
+"""
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import engine
+from kernels import native
+
+REL = 2e-6
+
+
+@pytest.fixture(scope="module")
+def mod():
+    native.reset()
+    m = native.module()
+    assert m is not None, native.info().reason  # a compiler is present in CI: it must build
+    return m
+
+
+def unpack(w: mx.array, bits: int) -> np.ndarray:
+    """uint32-packed weights -> [N, K] integers, lowest bits first (MLX's affine layout)."""
+    b = np.array(w).view(np.uint8)
+    if bits == 8:
+        return b.astype(np.int64)
+    return np.stack([b & 15, b >> 4], axis=-1).reshape(b.shape[0], -1).astype(np.int64)
+
+
+def reference(x, w, scales, biases, gs, bits):
+    q = unpack(w, bits)
+    s = np.repeat(np.array(scales.astype(mx.float32), dtype=np.float64), gs, axis=1)
+    b = np.repeat(np.array(biases.astype(mx.float32), dtype=np.float64), gs, axis=1)
+    wd = s * q + b
+    xd = np.array(x, dtype=np.float64).reshape(-1, wd.shape[1])
+    return xd @ wd.T, np.abs(xd) @ np.abs(wd).T
+
+
+def case(N, K, gs, bits, dtype, M=1, seed=0):
+    key = mx.random.key(seed)
+    k1, k2 = mx.random.split(key)
+    w, s, b = mx.quantize(mx.random.normal((N, K), key=k1), group_size=gs, bits=bits)
+    return mx.random.normal((M, K), key=k2), w, s.astype(dtype), b.astype(dtype)
+
+
+@pytest.mark.parametrize("isa", ["simd", "generic"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("bits,gs", [(8, 64), (8, 32), (4, 64), (4, 32)])
+def test_kernel_matches_float64_reference(mod, monkeypatch, isa, dtype, bits, gs):
+    if isa == "generic":  # the portable kernel (NEON and unknown CPUs) on this machine too
+        monkeypatch.setenv("CHATML_GEMV_ISA", "generic")
+    # 200 rows (not a multiple of the 16-row thread chunks), 1 and 3 rows of x; the larger
+    # matrix is split over the thread pool
+    for N, K, M in ((200, 512, 1), (200, 512, 3), (1000, 2048, 1)):
+        x, w, s, b = case(N, K, gs, bits, dtype, M)
+        y = mod.quantized_gemv(x, w, s, b, gs, bits)
+        ref, mag = reference(x, w, s, b, gs, bits)
+        assert y.shape == (M, N) and y.dtype == mx.float32
+        err = np.abs(np.array(y, dtype=np.float64) - ref)
+        assert (err <= REL * mag).all(), f"max excess {(err - REL * mag).max()}"
+
+
+@pytest.mark.parametrize("bits,gs", [(8, 64), (4, 32)])
+def test_dequantize_is_exact(mod, bits, gs):
+    x, w, s, b = case(300, 256, gs, bits, mx.bfloat16)
+    got = np.array(mod.dequantize(w, s, b, gs, bits))
+    f32 = mx.float32
+    want = mx.dequantize(w, s.astype(f32), b.astype(f32), group_size=gs, bits=bits)
+    assert got.dtype == np.float32 and (got == np.array(want)).all()  # one rounding: s * q + b
+
+
+def test_leading_dims_and_bad_input(mod):
+    x, w, s, b = case(64, 128, 64, 4, mx.float32, M=6)
+    y = mod.quantized_gemv(x.reshape(2, 3, 128), w, s, b, 64, 4)
+    ref, _ = reference(x, w, s, b, 64, 4)
+    assert y.shape == (2, 3, 64)
+    assert np.allclose(np.array(y).reshape(6, 64), ref, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="x has 100 columns, w holds 128"):
+        mod.quantized_gemv(x[:, :100], w, s, b, 64, 4)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        mod.quantized_gemv(x, w, s, b, 64, 3)
+    with pytest.raises(ValueError, match="float32"):
+        mod.quantized_gemv(x.astype(mx.bfloat16), w, s, b, 64, 4)
+
+
+@pytest.mark.parametrize("rows", [1, 9, native.GEMV_ROWS, native.GEMV_ROWS + 1])
+def test_quantized_matmul_both_paths(mod, monkeypatch, rows):
+    """The GEMV kernel (few rows) and prefill (dequantize + BLAS), native and fallback."""
+    x, w, s, b = case(256, 512, 64, 4, mx.bfloat16, M=rows)
+    ref, mag = reference(x, w, s, b, 64, 4)
+    for setting in ("build", "0"):
+        monkeypatch.setenv("CHATML_NATIVE", setting)
+        native.reset()
+        y = native.quantized_matmul(x, w, s, b, 64, 4)
+        assert native.info().active == (setting == "build")
+        err = np.abs(np.array(y, dtype=np.float64) - ref)
+        assert (err <= 1e-5 * mag + 1e-5).all(), setting
+    native.reset()
+
+
+def test_no_compiler_falls_back_with_one_line(tmp_path):
+    code = (
+        "from kernels import native; import sys; "
+        "print(native.module() is None, native.info().reason, file=sys.stdout)"
+    )
+    env = {**os.environ, "CHATML_HOME": str(tmp_path), "PATH": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "True no cmake on PATH"
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "native CPU kernels unavailable (no cmake on PATH)" in lines[0]
+
+
+def test_module_built_for_another_mlx_is_refused(mod, monkeypatch, capsys):
+    monkeypatch.setattr(mx, "__version__", "0.0.1")
+    native.reset()
+    assert native.module() is None
+    assert "built for MLX 0.32" in native.info().reason and "running MLX 0.0.1" in (
+        native.info().reason
+    )
+    assert capsys.readouterr().err.count("\n") == 1
+    monkeypatch.undo()
+    native.reset()
+
+
+def prefill_and_steps(model, ids, steps=3):
+    """Logits of a prefill of all but the last `steps` ids, then one-token decode steps."""
+    caches = model.make_caches()
+    first = model(mx.array([ids[:-steps]]), caches)
+    return mx.concatenate([first] + [model(mx.array([[t]]), caches) for t in ids[-steps:]], 1)
+
+
+@pytest.mark.parametrize("bits,path", [(8, "native"), (4, "native"), (4, "mlx-ops")])
+def test_quantize_at_load_matches_mlx_lm(tiny, tmp_path, monkeypatch, bits, path):
+    """`quantize=` on a float checkpoint = mlx_lm.convert's quantization, run by mlx-lm;
+    prefill (dequantize + BLAS) and decode (the GEMV kernel, or the fallback's MLX ops)."""
+    from mlx_lm import convert, load
+
+    out = tmp_path / f"q{bits}"
+    convert(str(tiny.checkpoint.path), mlx_path=str(out), quantize=True, q_bits=bits,
+            q_group_size=64)  # fmt: skip
+    if path == "mlx-ops":
+        monkeypatch.setenv("CHATML_NATIVE", "0")
+    native.reset()
+    ours = engine.load(str(tiny.checkpoint.path), quantize=bits)
+    assert native.info().active == (path == "native")
+    ref, _ = load(str(out))
+    ids = tiny.tokenizer.encode("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    got = prefill_and_steps(ours.model, ids)
+    want = ref(mx.array([ids]), cache=ref.make_cache())
+    assert mx.abs(got - want).max().item() < 1e-4  # float32 activations, the same weights
+    native.reset()
+    from mlx.utils import tree_flatten
+
+    size = sum(v.nbytes for _, v in tree_flatten(ours.model.parameters()))
+    on_disk = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    assert size <= 1.3 * on_disk
+    with pytest.raises(ValueError, match="already quantized"):
+        engine.load(str(out), quantize=4)
+    with pytest.raises(ValueError, match="quantize must be 8 or 4"):
+        engine.load(str(tiny.checkpoint.path), quantize=2)
+
+
+def test_two_threads_at_once(mod):
+    """Two threads (each its own MLX stream) share the kernel's thread pool correctly."""
+    import threading
+
+    x, w, s, b = case(1024, 2048, 64, 8, mx.bfloat16, M=1)  # big enough to use the pool
+    ref, mag = reference(x, w, s, b, 64, 8)
+    x, w, s, b = (np.array(a.astype(mx.float32)) for a in (x, w.view(mx.float32), s, b))
+    errors = []
+
+    def worker():
+        stream = mx.new_stream(mx.cpu)
+        with mx.stream(stream):
+            xs, ws = mx.array(x), mx.array(w).view(mx.uint32)
+            ss, bs = mx.array(s).astype(mx.bfloat16), mx.array(b).astype(mx.bfloat16)
+            for _ in range(30):
+                y = np.array(mod.quantized_gemv(xs, ws, ss, bs, 64, 8), dtype=np.float64)
+                if not (np.abs(y - ref) <= REL * mag).all():
+                    errors.append(np.abs(y - ref).max())
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
