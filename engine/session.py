@@ -426,7 +426,8 @@ class Session:
     def _make_turn(self, prompt, raw: str, p: Progress, t0: float, sampler: Sampler) -> Turn:
         warm_tokens = max(0, min(p.reused, self._warmed[1]) - self._warmed[0])
         self._warmed = (0, 0)
-        logprobs = sampler.logprobs if sampler.top_logprobs is not None else None
+        recorded = getattr(sampler, "top_logprobs", None) is not None  # scripted samplers: none
+        logprobs = sampler.logprobs if recorded else None
         return make_turn(prompt, raw, p, t0, cache_bytes=self.seq.cache_bytes,
                          warm_tokens=warm_tokens, logprobs=logprobs)  # fmt: skip
 
