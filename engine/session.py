@@ -427,7 +427,7 @@ class Session:
         warm_tokens = max(0, min(p.reused, self._warmed[1]) - self._warmed[0])
         self._warmed = (0, 0)
         recorded = getattr(sampler, "top_logprobs", None) is not None  # scripted samplers: none
-        logprobs = sampler.logprobs if recorded else None
+        logprobs = sampler.recorded if recorded else None
         return make_turn(prompt, raw, p, t0, cache_bytes=self.seq.cache_bytes,
                          warm_tokens=warm_tokens, logprobs=logprobs)  # fmt: skip
 

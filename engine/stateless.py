@@ -231,7 +231,7 @@ class StatelessChat:
                 if len(progress.tokens) == 1:
                     yield ("first",)
                 if request.logprobs:
-                    new = sampler.logprobs[sent : len(progress.tokens)]
+                    new = sampler.recorded[sent : len(progress.tokens)]
                     sent += len(new)
                     yield ("logprobs", new)
                 piece = detok.add(token)
@@ -253,7 +253,7 @@ class StatelessChat:
             prompt, out.text.raw, progress, prepared.t0, cache_bytes=self.pool.cache_bytes,
             warm_tokens=max(0, min(progress.reused, warmed[1]) - warmed[0]),
             finish="stop" if out.text.stopped else None,
-            logprobs=sampler.logprobs if request.logprobs else None,
+            logprobs=sampler.recorded if request.logprobs else None,
         )  # fmt: skip
         if warm:
             stamp = seq.stamp

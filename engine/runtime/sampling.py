@@ -194,10 +194,10 @@ class Sampler:
         self.processors = processors_for(params) if processors is None else processors
         self.key = mx.random.key(params.seed) if params.seed is not None else None
         self._last: mx.array | None = None  # the previous pick, not yet advanced
-        # With `top_logprobs` (0 to 20) every pick's logprob is recorded: `logprobs` holds
-        # those of the tokens read (`accept`), `_pending` those still on the device.
+        # With `top_logprobs` (0 to 20) every pick's logprob is recorded:
+        # `recorded` those of the tokens read (`accept`), `_pending` those still on the device.
         self.top_logprobs = top_logprobs
-        self.logprobs: list[TokenLogprob] = []
+        self.recorded: list[TokenLogprob] = []
         self._pending: list[tuple] = []
 
     @property
@@ -250,7 +250,7 @@ class Sampler:
             if self._pending:
                 chosen, top, values = self._pending.pop(0)
                 pairs = sorted(zip(top.tolist(), values.tolist()), key=lambda p: -p[1])
-                self.logprobs.append(TokenLogprob(token, chosen.item(), pairs))
+                self.recorded.append(TokenLogprob(token, chosen.item(), pairs))
 
     def pick(self, logits: mx.array) -> mx.array:
         p = self.p
