@@ -72,7 +72,15 @@ def add_chat_parser(sub) -> None:
     c.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
                    help="on a terminal, prefill the next prompt's known part while you type")  # fmt: skip
     c.add_argument("--json-schema", default=None, metavar="FILE",
-                   help="answers must be JSON valid against this JSON Schema")  # fmt: skip
+                   help="answers are JSON valid against this JSON Schema (constrained "
+                        "decoding, then checked)")  # fmt: skip
+    c.add_argument(
+        "--json",
+        action="store_true",
+        help="answers are a JSON object (constrained decoding, then checked)",
+    )
+    c.add_argument("--max-thinking-tokens", type=int, default=None, metavar="N",
+                   help="close the think block after N tokens (thinking mode)")  # fmt: skip
     c.add_argument("-p", "--prompt", default=None, help="ask one question and exit")
     c.add_argument("--parse-special-in-content", action="store_true",
                    help="special tokens typed in messages (<|im_end|>...) become control tokens "
@@ -155,6 +163,14 @@ def _shielded():
         signal.signal(signal.SIGINT, old)
 
 
+def read_schema(path: str) -> dict:
+    """The JSON Schema in `path` (SystemExit naming the file if unreadable)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"chatml chat: --json-schema {path}: {e}") from e
+
+
 def schema_validator(path: str) -> Callable:
     """A `validate=` callable: the answer must be JSON valid against the schema in `path`."""
     try:
@@ -185,6 +201,16 @@ def schema_validator(path: str) -> Callable:
     return validate
 
 
+def _object_validator(turn) -> None:
+    """--json: the answer must be a JSON object."""
+    try:
+        value = json.loads(turn.text)
+    except ValueError as e:
+        raise AnswerRejected(f"the answer is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise AnswerRejected("the answer is not a JSON object")
+
+
 # ----- the conversation ---------------------------------------------------------------------
 
 
@@ -199,6 +225,15 @@ class Chat:
         # The model's recommended sampling, then the flags given (checked in run_chat).
         sampling = {**engine.sampling_defaults, **sampling_overrides(args)}
         self.options = dict(max_tokens=args.max_tokens, seed=args.seed, **sampling)
+        # --json-schema and --json constrain decoding; the validator stays as a check.
+        if args.json_schema:
+            schema = {"name": "answer", "schema": read_schema(args.json_schema)}
+            self.options["response_format"] = {"type": "json_schema", "json_schema": schema}
+        elif getattr(args, "json", False):
+            self.options["response_format"] = {"type": "json_object"}
+            self.validate = _object_validator
+        if getattr(args, "max_thinking_tokens", None) is not None:
+            self.options["max_thinking_tokens"] = args.max_thinking_tokens
         self.turns: list = [None] * len(session.history)  # Turns of the history's exchanges
         self.last = None
         self.totals = dict(turns=0, reused=0, prefilled=0, generated=0)

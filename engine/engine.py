@@ -160,7 +160,7 @@ class Engine:
         messages: list[dict],
         *,
         tools: list[dict] | None = None,
-        tool_choice: str | None = None,
+        tool_choice: str | dict | None = None,
         max_tokens: int | None = None,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -174,6 +174,11 @@ class Engine:
         max_exchanges: int | None = None,
         context_window: int | None = None,
         warm: bool = True,
+        response_format: dict | None = None,
+        logprobs: bool | None = None,
+        top_logprobs: int | None = None,
+        max_thinking_tokens: int | None = None,
+        reasoning_effort: str | None = None,
     ):
         """Yield the answer's text pieces, then the Turn (see `chat`).
 
@@ -184,6 +189,10 @@ class Engine:
         defaults to 512 within the window. `warm` prefills the conversation's likely next
         prompt while the engine is idle. Bad input raises `ChatError` (a ValueError) here,
         before anything runs; several threads may call at once (served one after another).
+        `response_format` (OpenAI's text / json_object / json_schema) and `tool_choice`
+        ("required" or {"type": "function", "function": {"name": ...}}) constrain decoding;
+        `logprobs`/`top_logprobs` fill `Turn.logprobs`; `max_thinking_tokens` or
+        `reasoning_effort` (low/medium/high) bound the think block.
         """
         from .stateless import chat_stream
 
@@ -193,6 +202,8 @@ class Engine:
             repetition_penalty=repetition_penalty, seed=seed, stop=stop,
             enable_thinking=enable_thinking, preserve_thinking=preserve_thinking,
             max_exchanges=max_exchanges, context_window=context_window, warm=warm,
+            response_format=response_format, logprobs=logprobs, top_logprobs=top_logprobs,
+            max_thinking_tokens=max_thinking_tokens, reasoning_effort=reasoning_effort,
         )  # fmt: skip
 
     def session(self, system: str | None = None, **options):

@@ -22,7 +22,14 @@ from collections.abc import Callable, Iterator, Sequence
 from renderer import PromptTooLong, SegmentCache, build_prompt
 
 from .checkpoints.tokenizer import StreamDecoder, check_special_mode
-from .runtime.sampling import Sampler, SamplingParams
+from .constraints import (
+    check_constraint,
+    constraint_spec,
+    make_sampler,
+    response_format_spec,
+    thinking_budget,
+)
+from .runtime.sampling import MAX_TOP_LOGPROBS, Sampler, SamplingParams
 from .runtime.sequence import CachedSequence, Progress
 from .runtime.worker import Job
 from .turn import Turn, make_turn
@@ -151,6 +158,12 @@ class Session:
         tools: list[dict] | None = None,
         validate: Callable[[Turn], None] | None = None,
         ignore_eos: bool = False,
+        response_format: dict | None = None,
+        tool_choice: str | dict | None = None,
+        max_thinking_tokens: int | None = None,
+        reasoning_effort: str | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
     ) -> Iterator[str | Turn]:
         """Yield the answer's text pieces (valid UTF-8), then the Turn.
 
@@ -160,13 +173,23 @@ class Session:
         always generates `max_tokens` tokens (for benchmarks). Sampling is greedy unless told
         otherwise (the checkpoint's generation_config.json is for the CLI and the server; see
         `SamplingParams` for each option, `Engine.sampling_defaults` for the model's values).
+
+        Constrained decoding: `response_format` (OpenAI's json_object / json_schema, or a
+        regex / lark spec of engine/runtime/grammar.py) makes the answer match it;
+        `tool_choice` "required" or {"type": "function", "function": {"name": ...}} forces
+        one well-formed call of the tools. `max_thinking_tokens` (or `reasoning_effort`
+        low/medium/high) closes the think block after that many tokens. `logprobs` fills
+        `Turn.logprobs` (the model's distribution) with `top_logprobs` alternatives.
         """
         params = SamplingParams(
             temperature, top_p, top_k, min_p, repetition_penalty, seed=seed,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
         )  # fmt: skip
         current = [{"role": "user", "content": text}]
-        return self._turn(current, params, max_tokens, validate, ignore_eos, tools)
+        options = _constraint_options(self.tools if tools is None else tools, response_format,
+                                      tool_choice, max_thinking_tokens, reasoning_effort,
+                                      logprobs, top_logprobs)  # fmt: skip
+        return self._turn(current, params, max_tokens, validate, ignore_eos, tools, options)
 
     def send_tool_results(self, results: Sequence, **kwargs) -> Turn:
         return _last(self.stream_tool_results(results, **kwargs))
@@ -316,7 +339,8 @@ class Session:
             text_spans=self.special_tokens_in_content == "text",
         )
 
-    def _turn(self, current, params, max_tokens, validate, ignore_eos, tools) -> Iterator:
+    def _turn(self, current, params, max_tokens, validate, ignore_eos, tools,
+              options: dict | None = None) -> Iterator:  # fmt: skip
         # Everything that can reject the input runs here, before the generator starts, so a
         # bad message raises at the call and touches nothing.
         t0 = time.perf_counter()
@@ -333,8 +357,17 @@ class Session:
         _check_text(current, "messages")
         _check_text(tools, "tools")
         prompt = self.render(current, max_tokens, tools)
+        if options:
+            spec = constraint_spec(self.engine, options["format"], options["forced"])
+            check_constraint(self.engine, spec)  # a GrammarError (ValueError) names it
+            sampler = make_sampler(
+                self.engine, params, thinking=prompt.text.endswith("<think>\n"), spec=spec,
+                max_thinking_tokens=options["budget"], top_logprobs=options["top"],
+            )  # fmt: skip
+        else:
+            sampler = Sampler(params)
         return self._run(
-            self._recorded, prompt, current, Sampler(params), max_tokens, validate, ignore_eos,
+            self._recorded, prompt, current, sampler, max_tokens, validate, ignore_eos,
             tools, t0,
         )  # fmt: skip
 
@@ -376,7 +409,7 @@ class Session:
                 if tail:
                     pieces.append(tail)
                     yield tail
-                turn = self._make_turn(prompt, "".join(pieces), progress, t0)
+                turn = self._make_turn(prompt, "".join(pieces), progress, t0, sampler)
                 if validate is not None:
                     validate(turn)
             except BaseException:
@@ -390,11 +423,13 @@ class Session:
                 self.tools = tools  # the session's tools from now on
         return turn
 
-    def _make_turn(self, prompt, raw: str, p: Progress, t0: float) -> Turn:
+    def _make_turn(self, prompt, raw: str, p: Progress, t0: float, sampler: Sampler) -> Turn:
         warm_tokens = max(0, min(p.reused, self._warmed[1]) - self._warmed[0])
         self._warmed = (0, 0)
+        recorded = getattr(sampler, "top_logprobs", None) is not None  # scripted samplers: none
+        logprobs = sampler.recorded if recorded else None
         return make_turn(prompt, raw, p, t0, cache_bytes=self.seq.cache_bytes,
-                         warm_tokens=warm_tokens)  # fmt: skip
+                         warm_tokens=warm_tokens, logprobs=logprobs)  # fmt: skip
 
     def _record(self, current: list[dict], turn: Turn) -> None:
         self._recorded += 1
@@ -412,6 +447,38 @@ def _resume_points(prompt, n_current: int) -> set[int]:
     b = prompt.boundaries
     first = b.message_starts[-n_current]
     return {b.system_end} | {p for p in b.points() if p >= first}
+
+
+def _constraint_options(tools, response_format, tool_choice, max_thinking_tokens,
+                        reasoning_effort, logprobs, top_logprobs) -> dict | None:  # fmt: skip
+    """The turn's constraint options, checked (ValueError naming the bad one); None if none."""
+    if (
+        response_format is None
+        and tool_choice in (None, "auto")
+        and not logprobs
+        and (max_thinking_tokens is None and reasoning_effort is None)
+    ):
+        return None
+    from .serving.completion import ApiError, forced_tools_of
+
+    fmt = response_format_spec(response_format)
+    try:
+        forced = forced_tools_of(tool_choice, tools)
+    except ApiError as e:
+        raise ValueError(e.message) from None
+    if forced and fmt is not None:
+        raise ValueError("a forced tool_choice and a response_format cannot be combined")
+    if not isinstance(logprobs, bool):
+        raise TypeError(f"logprobs must be True or False, got {logprobs!r}")
+    if (
+        isinstance(top_logprobs, bool)
+        or not isinstance(top_logprobs, int)
+        or not (0 <= top_logprobs <= MAX_TOP_LOGPROBS)
+    ):
+        raise ValueError(f"top_logprobs must be an integer from 0 to 20, got {top_logprobs!r}")
+    budget = thinking_budget(max_thinking_tokens, reasoning_effort)
+    top = top_logprobs if logprobs else None
+    return {"format": fmt, "forced": forced, "budget": budget, "top": top}
 
 
 def _params(kwargs: dict) -> SamplingParams:

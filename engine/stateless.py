@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from renderer import Prompt, PromptTooLong, SegmentCache, build_prompt, split_conversation
 
 from .checkpoints.tokenizer import StreamDecoder
+from .constraints import GrammarError, check_constraint, constraint_spec, make_sampler
 from .runtime.pool import DEFAULT_SEQUENCES, PooledSequence, SequencePool
-from .runtime.sampling import Sampler
 from .runtime.sequence import Progress
 from .runtime.worker import Job
 from .serving.completion import (
@@ -66,6 +66,7 @@ class PreparedChat:
     openai: bool  # the client resends answers as OpenAI messages (the server)
     t0: float
     renderer: Renderer  # what rendered it (the warm-up renders the next prompt the same way)
+    spec: dict | None = None  # the grammar the answer must match (engine/constraints.py)
 
 
 class StatelessChat:
@@ -113,8 +114,14 @@ class StatelessChat:
         else:
             max_tokens = request.max_tokens or default_max_tokens
             prompt = self._window(request, max_exchanges, window, max_tokens)
+        spec = constraint_spec(self.engine, request.response_format, request.forced_tools)
+        try:
+            check_constraint(self.engine, spec)
+        except GrammarError as e:
+            param = "tools" if request.forced_tools else "response_format"
+            raise ApiError(400, f"{param}: {e}", param=param, code="invalid_value") from None
         return PreparedChat(
-            request, prompt, max_tokens, window, max_exchanges, openai, t0, renderer
+            request, prompt, max_tokens, window, max_exchanges, openai, t0, renderer, spec
         )
 
     def _window(self, request: ChatRequest, max_exchanges: int, window: int, max_tokens: int):
@@ -169,7 +176,9 @@ class StatelessChat:
                warm: bool = True) -> Job:  # fmt: skip
         """Queue the generation, running ahead of the consumer; events go to `emit` (on the
         model thread): ("first", reused_tokens), ("delta", reasoning, content, raw), then ("done",
-        Turn) or ("error", ApiError). `job.cancel()` stops it at the next token."""
+        Turn) or ("error", ApiError); with `logprobs` asked for, ("logprobs", [TokenLogprob])
+        comes before the delta of the tokens it covers. `job.cancel()` stops it at the next
+        token."""
 
         def run(job: Job) -> None:
             if job.cancelled.is_set():
@@ -208,14 +217,24 @@ class StatelessChat:
         progress = Progress()
         out = _Output(prompt.text.endswith("<think>\n"), request.stop)
         detok = StreamDecoder(self.engine.tokenizer)
+        sampler = make_sampler(
+            self.engine, request.params, thinking=out.text.thinking, spec=prepared.spec,
+            max_thinking_tokens=request.max_thinking_tokens,
+            top_logprobs=request.top_logprobs_or_none,
+        )  # fmt: skip
         tokens = seq.generate(
-            prompt.ids, stops=b.points(), sampler=Sampler(request.params),
+            prompt.ids, stops=b.points(), sampler=sampler,
             max_tokens=prepared.max_tokens, progress=progress,
         )  # fmt: skip
+        sent = 0  # logprobs sent in events
         try:
             for token in tokens:
                 if len(progress.tokens) == 1:
                     yield ("first", progress.reused)
+                if request.logprobs:
+                    new = sampler.recorded[sent : len(progress.tokens)]
+                    sent += len(new)
+                    yield ("logprobs", new)
                 piece = detok.add(token)
                 if piece and (delta := out.add(piece)):
                     yield delta
@@ -237,6 +256,7 @@ class StatelessChat:
             prompt, out.text.raw, progress, prepared.t0, cache_bytes=self.pool.cache_bytes,
             warm_tokens=max(0, min(progress.reused, warmed[1]) - warmed[0]),
             finish="stop" if out.text.stopped else None,
+            logprobs=sampler.recorded if request.logprobs else None,
         )  # fmt: skip
         if warm:
             stamp = seq.stamp
@@ -322,7 +342,9 @@ def openai_message(turn: Turn) -> Message:
 def chat_stream(engine, messages: list[dict], *, tools=None, tool_choice=None, max_tokens=None,
                 temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
                 seed=None, stop=None, enable_thinking=None, preserve_thinking=None,
-                max_exchanges=None, context_window=None, warm=True) -> Iterator[str | Turn]:  # fmt: skip
+                max_exchanges=None, context_window=None, warm=True, response_format=None,
+                logprobs=None, top_logprobs=None, max_thinking_tokens=None,
+                reasoning_effort=None) -> Iterator[str | Turn]:  # fmt: skip
     """`Engine.chat_stream`: everything is checked here, before the generator is made."""
     if max_exchanges is not None and (isinstance(max_exchanges, bool)
                                       or not isinstance(max_exchanges, int) or max_exchanges < 0):  # fmt: skip
@@ -338,6 +360,8 @@ def chat_stream(engine, messages: list[dict], *, tools=None, tool_choice=None, m
         "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
         "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed, "stop": stop,
         "chat_template_kwargs": {k: v for k, v in kwargs.items() if v is not None},
+        "response_format": response_format, "logprobs": logprobs, "top_logprobs": top_logprobs,
+        "max_thinking_tokens": max_thinking_tokens, "reasoning_effort": reasoning_effort,
     }  # fmt: skip
     chat = engine.stateless
     try:

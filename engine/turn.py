@@ -6,6 +6,8 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 
+from .runtime.sampling import TokenLogprob
+
 
 @dataclass
 class TurnStats:
@@ -49,6 +51,9 @@ class Turn:
     finish_reason: str  # "stop" or "length"
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_error: str | None = None  # malformed tool-call markup, reported not guessed
+    # One per token of `token_ids` when asked for (`logprobs=True`): the model's own
+    # distribution (log_softmax of the raw logits; see engine/runtime/sampling.py).
+    logprobs: list[TokenLogprob] | None = None
 
     def message(self) -> dict:
         """The assistant message this turn adds to the conversation."""
@@ -61,7 +66,7 @@ class Turn:
 
 
 def make_turn(prompt, raw: str, progress, t0: float, *, cache_bytes: int, warm_tokens: int,
-              finish: str | None = None) -> Turn:  # fmt: skip
+              finish: str | None = None, logprobs: list | None = None) -> Turn:  # fmt: skip
     """The Turn for generated text `raw` after `prompt` (a renderer Prompt), from the
     `Progress` of its generation; `t0` is when the call began (for the time to first token)."""
     thinking = prompt.text.endswith("<think>\n")  # the generation prompt opened a think block
@@ -85,8 +90,10 @@ def make_turn(prompt, raw: str, progress, t0: float, *, cache_bytes: int, warm_t
     spec = p.speculation
     stats.drafted_tokens, stats.accepted_tokens = spec.drafted, spec.accepted
     stats.acceptance_rate, stats.tokens_per_verify = spec.acceptance_rate, spec.tokens_per_verify
+    if logprobs is not None:
+        logprobs = logprobs[:n]  # not the stop token
     return Turn(content, reasoning, list(prompt.ids), list(p.tokens), stats, finish or p.finish,
-                calls, error)  # fmt: skip
+                calls, error, logprobs)  # fmt: skip
 
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)

@@ -441,3 +441,16 @@ def test_sampling_defaults_come_from_the_checkpoint_and_flags_override_them(tiny
 def test_bad_sampling_flags_are_usage_errors(flags, words):
     r = chatml("chat", "-p", "hi", *flags)
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
+
+
+def test_json_schema_constrains_the_answer(tmp_path):
+    """--json-schema constrains decoding: even random weights answer valid JSON."""
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"],
+              "additionalProperties": False}  # fmt: skip
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    r = chatml("chat", "-p", "Answer", "--max-tokens", "16", "--json-schema", str(path))
+    assert r.returncode == 0, r.stderr
+    import jsonschema
+
+    jsonschema.validate(json.loads(r.stdout.splitlines()[0]), schema)

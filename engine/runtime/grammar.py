@@ -10,6 +10,10 @@ decodes one step at a time (`reads_history`).
 With a think block open (thinking mode) the constraint starts after `</think>`: the
 reasoning is free, the answer is constrained (up to two leading newlines allowed, as the
 template puts "\\n\\n" there). JSON answers are compact: no free whitespace to pad with.
+
+Compiled grammars are cached per grammar text and tokenizer; each answer gets a copy of the
+compiled matcher (microseconds). `tool_call_spec` builds the grammar of a Qwen3.5
+`<tool_call>` whose arguments match the tool's JSON Schema (forced tool calls).
 """
 
 from __future__ import annotations
@@ -86,20 +90,58 @@ def tokenizer_for(engine):
     return _tokenizer(path, engine.model.arch.vocab_size, tuple(engine.stop_ids))
 
 
+@lru_cache(maxsize=64)
+def _compiled(grammar: str, llt):
+    """A fresh matcher for `grammar` (never advanced: callers take `deep_copy()`)."""
+    import llguidance
+
+    problem = llguidance.LLMatcher.validate_grammar(grammar, llt)
+    if problem and not problem.startswith("WARNING"):
+        raise GrammarError(f"invalid constraint: {problem}")
+    return llguidance.LLMatcher(llt, grammar, log_level=0)
+
+
+def check(engine, spec: dict) -> None:
+    """Raise GrammarError if `spec` cannot be compiled for `engine` (compiles and caches it)."""
+    _compiled(grammar_text(spec), tokenizer_for(engine))
+
+
+def tool_call_spec(tools: list[dict], open_id: int, close_id: int) -> dict:
+    """A Lark constraint: one Qwen3.5 `<tool_call>` of one of `tools` (OpenAI function
+    definitions), each declared parameter a compact JSON value valid against its schema,
+    required ones always present, in the schema's order. String values are JSON strings
+    (quoted), which `turn.parse_tool_calls` reads back exactly. `<tool_call>` and
+    `</tool_call>` are single tokens (`open_id`, `close_id`), as the template writes them."""
+    rules, calls = [], []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function", tool)
+        params = fn.get("parameters") or {}
+        props = params.get("properties") or {}
+        required = set(params.get("required") or [])
+        parts = []
+        for j, (key, schema) in enumerate(props.items()):
+            if isinstance(schema, dict):
+                schema = {"x-guidance": {"whitespace_flexible": False}, **schema}
+            rules.append(f"v{i}_{j}: %json {json.dumps(schema)}")
+            head = json.dumps(f"<parameter={key}>\n")
+            rules.append(f'p{i}_{j}: {head} v{i}_{j} "\\n</parameter>\\n"')
+            parts.append(f"p{i}_{j}" + ("" if key in required else "?"))
+        head = json.dumps(f"\n<function={fn['name']}>\n")
+        tail = f'"</function>\\n" <[{close_id}]>'
+        rules.append(f"call{i}: <[{open_id}]> {head} {' '.join(parts)} {tail}")
+        calls.append(f"call{i}")
+    lark = "\n".join([f"start: /\\n{{0,2}}/ ({' | '.join(calls)})", *rules])
+    return {"type": "lark", "lark": lark}
+
+
 class GrammarProcessor(LogitsProcessor):
     """Masks every token that cannot continue an answer matching `spec`."""
 
     reads_history = True  # the matcher advances by the tokens read on the host
 
     def __init__(self, engine, spec: dict, *, start_after: int | None = None):
-        import llguidance
-
         self.llt = tokenizer_for(engine)
-        grammar = grammar_text(spec)
-        problem = llguidance.LLMatcher.validate_grammar(grammar, self.llt)
-        if problem and not problem.startswith("WARNING"):
-            raise GrammarError(f"invalid constraint: {problem}")
-        self.matcher = llguidance.LLMatcher(self.llt, grammar, log_level=0)
+        self.matcher = _compiled(grammar_text(spec), self.llt).deep_copy()
         self.active = start_after is None  # else: waits for that token (`</think>`)
         self.start_after = start_after
         self._words = (self.llt.vocab_size + 31) // 32

@@ -1,9 +1,13 @@
 """Token sampling: a chain of logits processors, then the pick.
 
 A row's chain runs in one fixed order: the penalties (repetition, then presence and
-frequency), then the grammar mask (constrained decoding), then the pick (greedy, or
-temperature with top-k, top-p, min-p and a seeded key). Log-probabilities are read from the
-same processed logits, before temperature.
+frequency), then a thinking budget, then the grammar mask (constrained decoding), then the
+pick (greedy, or temperature with top-k, top-p, min-p and a seeded key).
+
+Log-probabilities reported to callers (`Sampler(..., top_logprobs=k)`, `Turn.logprobs`) are
+those of the model's distribution: log_softmax of the raw logits, before penalties, masks,
+temperature and cuts, as OpenAI reports them (a token the grammar forced keeps the
+probability the model gave it).
 
 Processors keep their state on the device where they can: the penalties count tokens in MLX
 arrays that each pick updates lazily (`advance`), so decoding still runs a step ahead of the
@@ -15,7 +19,7 @@ time (see `generate.decode`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -81,6 +85,19 @@ class SamplingParams:
             problems.append(f"seed must be an integer from 0 to 2**64-1, got {s!r}")
         if problems:
             raise ValueError("; ".join(problems))
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's log-probability under the model, and the `top` most likely
+    alternatives as (token id, logprob), most likely first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+MAX_TOP_LOGPROBS = 20  # as the OpenAI API
 
 
 class LogitsProcessor:
@@ -171,11 +188,17 @@ class Sampler:
     next call.
     """
 
-    def __init__(self, params: SamplingParams, processors: list[LogitsProcessor] | None = None):
+    def __init__(self, params: SamplingParams, processors: list[LogitsProcessor] | None = None,
+                 *, top_logprobs: int | None = None):  # fmt: skip
         self.p = params
         self.processors = processors_for(params) if processors is None else processors
         self.key = mx.random.key(params.seed) if params.seed is not None else None
         self._last: mx.array | None = None  # the previous pick, not yet advanced
+        # With `top_logprobs` (0 to 20) every pick's logprob is recorded:
+        # `recorded` those of the tokens read (`accept`), `_pending` those still on the device.
+        self.top_logprobs = top_logprobs
+        self.recorded: list[TokenLogprob] = []
+        self._pending: list[tuple] = []
 
     @property
     def reads_history(self) -> bool:
@@ -192,7 +215,20 @@ class Sampler:
                 p.advance(self._last)
         processed = self.process(logits, history)
         self._last = self.pick(processed)
+        if self.top_logprobs is not None:
+            self._record(logits, self._last)
         return self._last, processed
+
+    def _record(self, logits: mx.array, token: mx.array) -> None:
+        """Queue the model's logprob of `token` and the top alternatives (with the pick's
+        own evaluation, so reading them later does not wait on the next step)."""
+        raw = logits.astype(mx.float32)
+        lp = raw - mx.logsumexp(raw)
+        k = min(self.top_logprobs, lp.shape[-1])
+        top = mx.argpartition(-lp, k - 1)[:k] if k else mx.zeros((0,), dtype=mx.uint32)
+        entry = (lp[token], top, lp[top])
+        mx.async_eval(*entry)
+        self._pending.append(entry)
 
     def process(self, logits: mx.array, history: Sequence[int]) -> mx.array:
         """`logits` (float32) through the processors, in the chain's order."""
@@ -210,6 +246,11 @@ class Sampler:
     def accept(self, tokens: Sequence[int]) -> None:
         for p in self.processors:
             p.accept(tokens)
+        for token in tokens:
+            if self._pending:
+                chosen, top, values = self._pending.pop(0)
+                pairs = sorted(zip(top.tolist(), values.tolist()), key=lambda p: -p[1])
+                self.recorded.append(TokenLogprob(token, chosen.item(), pairs))
 
     def pick(self, logits: mx.array) -> mx.array:
         if self.p.temperature == 0:

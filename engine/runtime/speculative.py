@@ -189,8 +189,9 @@ class Speculation:
 
     @staticmethod
     def applies(sampler: Sampler) -> bool:
-        """Whether `sampler` can verify drafts (no processor keeps per-token state)."""
-        return not sampler.processors
+        """Whether `sampler` can verify drafts: no processor keeps per-token state, and no
+        logprobs are recorded (they are taken per pick, which a verify does not make)."""
+        return not sampler.processors and getattr(sampler, "top_logprobs", None) is None
 
 
 def verify(sampler: Sampler, logits: mx.array, drafts: Sequence[int]) -> tuple[list, list]:

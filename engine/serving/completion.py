@@ -38,7 +38,8 @@ from renderer.validation import (
 )
 
 from ..checkpoints.tokenizer import check_special_mode, encode_in_pieces
-from ..runtime.sampling import MAX_SEED, SamplingParams
+from ..constraints import response_format_spec, thinking_budget
+from ..runtime.sampling import MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
 from ..turn import ToolCall, parse_tool_calls, split_reasoning
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
@@ -87,6 +88,16 @@ class ChatRequest:
     stop: list[str] = field(default_factory=list)
     enable_thinking: bool | None = None
     preserve_thinking: bool | None = None
+    response_format: dict | None = None  # a grammar spec (engine/constraints.py); None: text
+    forced_tools: list | None = None  # tool_choice required/named: the answer calls one of them
+    logprobs: bool = False
+    top_logprobs: int = 0
+    max_thinking_tokens: int | None = None  # None: unbounded
+
+    @property
+    def top_logprobs_or_none(self) -> int | None:
+        """What `Sampler(top_logprobs=...)` takes: None when no logprobs are asked for."""
+        return self.top_logprobs if self.logprobs else None
 
 
 def decode_body(raw: bytes) -> Any:
@@ -159,19 +170,32 @@ def parse_request(body: Any, defaults: Mapping | None = None) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list of messages", "messages")
+    # OpenAI's `developer` role is its new name for the system message.
+    messages = [
+        {**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
+        for m in messages
+    ]
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model", "invalid_type")
     n = _integer(body, "n")
     if n not in (None, 1):
         raise _bad("only n=1 is supported", "n", "unsupported_value")
-    if _flag(body, "logprobs"):
-        raise _bad("logprobs are not supported", "logprobs", "unsupported")
-    if body.get("top_logprobs") is not None:
-        raise _bad("top_logprobs is not supported (no logprobs)", "top_logprobs", "unsupported")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise _bad("only response_format {'type': 'text'} is supported", "response_format")
+    logprobs = _flag(body, "logprobs") or False
+    top_logprobs = _integer(body, "top_logprobs", 0)
+    if top_logprobs is not None and top_logprobs > MAX_TOP_LOGPROBS:
+        raise _bad(f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}",
+                   "top_logprobs", "invalid_value")  # fmt: skip
+    if top_logprobs is not None and not logprobs:
+        raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+    try:
+        response_format = response_format_spec(body.get("response_format"))
+    except ValueError as e:
+        raise _bad(str(e), "response_format", "invalid_value") from None
+    try:
+        budget = thinking_budget(body.get("max_thinking_tokens"), body.get("reasoning_effort"))
+    except ValueError as e:
+        raise _bad(str(e), str(e).split(" ", 1)[0], "invalid_value") from None
 
     tools = body.get("tools")
     if tools is not None:
@@ -181,8 +205,10 @@ def parse_request(body: Any, defaults: Mapping | None = None) -> ChatRequest:
             code = "invalid_type" if e.field == "tools" else "invalid_value"
             raise _bad(f"{e.field}: {e.reason}", e.field, code) from None
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise _bad("tool_choice must be 'auto' or 'none'", "tool_choice", "unsupported_value")
+    forced = forced_tools_of(choice, tools)
+    if forced and response_format is not None:
+        raise _bad("a forced tool_choice and a response_format cannot be combined",
+                   "response_format", "invalid_value")  # fmt: skip
     if choice == "none" or not tools:
         tools = None  # the model is not told about tools it must not call
 
@@ -239,7 +265,33 @@ def parse_request(body: Any, defaults: Mapping | None = None) -> ChatRequest:
         messages=messages, model=model, tools=tools, stream=stream,
         include_usage=bool(stream and include_usage), max_tokens=max_tokens, params=params,
         stop=stop, enable_thinking=thinking, preserve_thinking=preserve,
+        response_format=response_format, forced_tools=forced, logprobs=logprobs,
+        top_logprobs=top_logprobs or 0, max_thinking_tokens=budget,
     )  # fmt: skip
+
+
+def forced_tools_of(choice: object, tools: list | None) -> list | None:
+    """The tools `tool_choice` forces the answer to call one of (None: not forced)."""
+    if choice in (None, "auto", "none"):
+        return None
+    if choice == "required":
+        if not tools:
+            raise _bad("tool_choice 'required' needs tools", "tool_choice", "invalid_value")
+        return tools
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise _bad("tool_choice.function.name must be a string", "tool_choice.function.name",
+                       "invalid_type")  # fmt: skip
+        named = [t for t in tools or [] if t.get("function", t).get("name") == name]
+        if not named:
+            raise _bad(f"tool_choice names {name!r}, which is not among the tools",
+                       "tool_choice.function.name", "invalid_value")  # fmt: skip
+        return named
+    raise _bad("tool_choice must be 'auto', 'none', 'required' or "
+               "{'type': 'function', 'function': {'name': ...}}", "tool_choice",
+               "unsupported_value")  # fmt: skip
 
 
 def _message_param(error: RenderError, offset: int) -> str:

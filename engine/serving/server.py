@@ -45,6 +45,7 @@ from ..stateless import DEFAULT_MAX_TOKENS, PreparedChat, openai_message
 from ..turn import Turn
 from . import messages, responses, text_completion
 from .completion import ApiError, Renderer, decode_body, parse_request
+from .logprobs import openai_content
 
 log = logging.getLogger("chatml.server")
 
@@ -302,7 +303,7 @@ class ServerApp:
             watcher.cancel()
         if event[0] == "error":
             return _error(event[1])
-        return JSONResponse(self._completion(event[1], ident, created))
+        return JSONResponse(self._completion(event[1], ident, created, chat.logprobs))
 
     def _check_queue(self) -> None:
         if self.engine.worker.queued() >= self.config.max_queued:
@@ -323,7 +324,7 @@ class ServerApp:
             "prompt_tokens_details": {"cached_tokens": s.reused_tokens},
         }
 
-    def _completion(self, turn: Turn, ident: str, created: int) -> dict:
+    def _completion(self, turn: Turn, ident: str, created: int, logprobs: bool = False) -> dict:
         message: dict = {"role": "assistant", "content": turn.text}
         if turn.reasoning is not None:
             message["reasoning_content"] = turn.reasoning
@@ -333,15 +334,26 @@ class ServerApp:
         return {
             "id": ident, "object": "chat.completion", "created": created,
             "model": self.config.model,
-            "choices": [{"index": 0, "message": message, "finish_reason": _finish(turn)}],
+            "choices": [{"index": 0, "message": message, "logprobs": self._logprobs(turn, logprobs),
+                         "finish_reason": _finish(turn)}],
             "usage": self._usage(turn),
         }  # fmt: skip
 
+    def _logprobs(self, turn: Turn, asked: bool) -> dict | None:
+        if not asked:
+            return None
+        return {"content": openai_content(self.engine.tokenizer, turn.logprobs or []),
+                "refusal": None}  # fmt: skip
+
     async def _stream(self, chat, job, events, event, watcher, ident, created):
+        pending: list = []  # token logprobs not yet sent: they go with the next chunk
+
         def chunk(delta: dict | None = None, finish: str | None = None, **extra) -> str:
-            choices = [] if delta is None else [
-                {"index": 0, "delta": delta, "finish_reason": finish}
-            ]  # fmt: skip
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            if chat.logprobs and delta is not None:
+                choice["logprobs"] = {"content": openai_content(self.engine.tokenizer, pending)}
+                pending.clear()
+            choices = [] if delta is None else [choice]
             body = {
                 "id": ident, "object": "chat.completion.chunk", "created": created,
                 "model": self.config.model, "choices": choices, **extra,
@@ -351,7 +363,9 @@ class ServerApp:
         try:
             yield chunk({"role": "assistant", "content": ""})
             while True:
-                if event[0] == "delta":
+                if event[0] == "logprobs":
+                    pending.extend(event[1])
+                elif event[0] == "delta":
                     _, reasoning, content, _raw = event
                     if reasoning:
                         yield chunk({"reasoning_content": reasoning})
