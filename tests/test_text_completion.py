@@ -99,10 +99,32 @@ def test_echo_prompt_logprobs_equal_a_fresh_forward_pass(tiny, server):
     assert got.text_offset == [len(tiny.tokenizer.decode(ids[:t])) for t in range(len(ids))]
 
 
+def test_generated_logprobs_equal_a_teacher_forced_forward_pass(tiny, server):
+    c = client(server)
+    prompt = "Counting: one, two,"
+    ids = tiny.tokenizer.encode(prompt)
+    r = complete(c, prompt, max_tokens=5, logprobs=2)
+    got = r.choices[0].logprobs
+    generated, _ = fresh_greedy(tiny, ids, 5)
+    assert got.tokens == [tiny.tokenizer.decode([t]) for t in generated]
+    with tiny.lock:  # the prompt and the answer fed at once: the logits before each answer token
+        logits = tiny.model(mx.array([ids + generated]), tiny.model.make_caches())[0]
+        logits = np.array(logits.astype(mx.float32), dtype=np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    lp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))  # log_softmax
+    rows = [len(ids) - 1 + i for i in range(len(generated))]
+    expected = [lp[row, t] for row, t in zip(rows, generated)]
+    np.testing.assert_allclose(got.token_logprobs, expected, atol=1e-4)
+    for row, alternatives in zip(rows, got.top_logprobs):
+        best = np.argsort(-lp[row])[:2]
+        assert list(alternatives) == [tiny.tokenizer.decode([int(i)]) for i in best]
+    assert got.text_offset == [len(tiny.tokenizer.decode(generated[:i])) for i in range(5)]
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"prompt": "hi", "logprobs": 2}, "logprobs"),
+        ({"prompt": "hi", "logprobs": 2, "echo": True, "max_tokens": 3}, "logprobs"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ({"prompt": [1, 10**9]}, "prompt[1]"),
         ({"prompt": ["one", "two"]}, "prompt"),

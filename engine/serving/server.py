@@ -528,8 +528,11 @@ class ServerApp:
             return _error(e)
         s = turn.stats
         usage = text_completion.usage(s.prompt_tokens, s.reused_tokens, s.generated_tokens)
+        logprobs = None
+        if asked.logprobs is not None:
+            logprobs = text_completion.generated_logprobs_body(tokenizer, turn, asked.logprobs)
         return JSONResponse(text_completion.completion(
-            ident, int(time.time()), model, echo + text, turn.finish_reason, usage
+            ident, int(time.time()), model, echo + text, turn.finish_reason, usage, logprobs
         ))  # fmt: skip
 
 

@@ -86,9 +86,9 @@ def translate(body: Any, tokenizer, window: int, defaults: Mapping | None = None
     max_tokens = body.get("max_tokens")
     if max_tokens == 0 and not isinstance(max_tokens, bool) and not echo:
         raise bad("'max_tokens' may be 0 only with echo (to score the prompt)", "max_tokens")
-    if logprobs is not None and (max_tokens != 0 or not echo):
-        raise bad("'logprobs' is supported with echo: true and max_tokens: 0 (prompt logprobs); "
-                  "logprobs of generated tokens are not supported yet", "logprobs", "unsupported")  # fmt: skip
+    if logprobs is not None and echo and max_tokens != 0:
+        raise bad("'logprobs' with echo scores the prompt alone: set max_tokens to 0, or ask "
+                  "for the generated tokens' logprobs without echo", "logprobs", "unsupported")  # fmt: skip
     if logprobs is not None and body.get("stream"):
         raise bad("'logprobs' is not supported with stream", "logprobs", "unsupported")
     origins = Origins({"messages": "prompt"})
@@ -98,6 +98,8 @@ def translate(body: Any, tokenizer, window: int, defaults: Mapping | None = None
             chat[name] = body[name]
     if max_tokens != 0:
         chat["max_tokens"] = max_tokens
+        if logprobs is not None:  # the generated tokens', as the chat endpoint reports them
+            chat["logprobs"], chat["top_logprobs"] = True, logprobs
     request = chat_request(chat, defaults, origins)
     vocab = tokenizer.backend.get_vocab_size(with_added_tokens=True)
     ids, text = _prompt_ids(body.get("prompt"), tokenizer, vocab)
@@ -147,21 +149,31 @@ def prompt_logprobs(
     return out
 
 
-def logprobs_body(tokenizer, ids: list[int], scored: list, top: int) -> dict:
-    """The legacy `logprobs` object for the prompt: tokens, token_logprobs (None for the
-    first), top_logprobs ({token: logprob}) and text_offset (characters into the text)."""
+def logprobs_body(tokenizer, ids: list[int], scored: list, top: int, *, unscored: int = 1
+                  ) -> dict:  # fmt: skip
+    """The legacy `logprobs` object: tokens, token_logprobs, top_logprobs ({token: logprob})
+    and text_offset (characters into the text) of `ids`, whose first `unscored` tokens have
+    no logprob (the prompt's first; none of generated tokens)."""
     detok, text, offsets, tokens = StreamDecoder(tokenizer), "", [], []
     for t in ids:
         offsets.append(len(text))
         text += detok.add(t)
         tokens.append(tokenizer.decode([t]))
-    tops: list = [None]
+    tops: list = [None] * unscored
     for _, alternatives in scored:
         tops.append({tokenizer.decode([i]): v for i, v in alternatives} if top else None)
     return {
-        "tokens": tokens, "token_logprobs": [None, *(lp for lp, _ in scored)],
+        "tokens": tokens, "token_logprobs": [None] * unscored + [lp for lp, _ in scored],
         "top_logprobs": tops, "text_offset": offsets,
     }  # fmt: skip
+
+
+def generated_logprobs_body(tokenizer, turn: Turn, top: int) -> dict:
+    """The legacy `logprobs` object of a completion's generated tokens (the model's own
+    distribution, as the chat endpoint reports it: see `runtime.sampling`)."""
+    lps = turn.logprobs or []
+    scored = [(lp.logprob, lp.top) for lp in lps]
+    return logprobs_body(tokenizer, [lp.token for lp in lps], scored, top, unscored=0)
 
 
 # ----- the answer ---------------------------------------------------------------------------
