@@ -150,8 +150,9 @@ def bf16_section(quick: bool, moe: bool = False) -> dict:
 
 
 def quantized_section(quick: bool) -> dict:
-    """tiny converted by mlx-lm to 4 bits: kept quantized on a GPU, dequantized on a CPU;
-    float32 activations on both sides (mlx-lm computes in the scales' dtype)."""
+    """tiny converted by mlx-lm to 4 bits: kept quantized on every device (on a CPU through
+    the native GEMV or MLX's ops, see engine/runtime/quantized.py); float32 activations on
+    both sides (mlx-lm computes in the scales' dtype)."""
     from mlx_lm import convert
 
     import engine
