@@ -132,6 +132,22 @@ def test_tool_round_trip_renders_as_chat(tiny, server):
     assert text(m) == fresh_answer(tiny, chat_messages, MAX_TOKENS, tools=CHAT_TOOLS)
 
 
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_forced_tool_use_validates_against_the_input_schema(server, choice):
+    import jsonschema
+
+    # An enum, so that random weights at temperature 1 finish the call within max_tokens.
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+              "required": ["city"]}  # fmt: skip
+    tools = [{**TOOLS[0], "input_schema": schema}]
+    c = client(server)
+    m = ask(c, [{"role": "user", "content": "Weather in Paris?"}], tools=tools,
+            tool_choice=choice, max_tokens=64, extra_body={"temperature": 1, "seed": 3})  # fmt: skip
+    calls = [b for b in m.content if b.type == "tool_use"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and m.stop_reason == "tool_use"
+    jsonschema.validate(calls[0].input, schema)
+
+
 def test_thinking_blocks(tiny, server):
     c = client(server)
     conversation = [{"role": "user", "content": "Think first: 2+2?"}]
@@ -218,6 +234,10 @@ def test_tool_use_answer_and_stream_shapes():
         ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
           "stop_sequences": "X"}, "stop_sequences"),
         ({"max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+        ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+          "tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
+        ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+          "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
     ],
 )  # fmt: skip
 def test_bad_requests_in_anthropic_shape(server, body, field):

@@ -132,6 +132,23 @@ def _tools(tools: Any) -> list[dict]:
     return out
 
 
+def _tool_choice(choice: object) -> object:
+    """Anthropic's tool_choice as the chat request's: `any` forces a call to one of the tools
+    (OpenAI's "required"), `tool` a call to the named one (constrained decoding)."""
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str):
+            raise bad("'tool_choice.name' must be a string", "tool_choice.name", "invalid_type")
+        return {"type": "function", "function": {"name": name}}
+    raise bad("'tool_choice.type' must be 'auto', 'any', 'tool' or 'none'", "tool_choice.type",
+              "unsupported_value")  # fmt: skip
+
+
 def _thinking(value: Any) -> bool | None:
     if value is None:
         return None  # the model's own default, as on /v1/chat/completions
@@ -188,11 +205,7 @@ def translate(body: Any, defaults: Mapping | None = None) -> MessagesRequest:
         chat["tools"] = _tools(body["tools"])
     choice = body.get("tool_choice")
     if choice is not None:
-        kind = choice.get("type") if isinstance(choice, dict) else None
-        if kind not in ("auto", "none"):
-            raise bad("'tool_choice.type' must be 'auto' or 'none'", "tool_choice.type",
-                      "unsupported_value")  # fmt: skip
-        chat["tool_choice"] = kind
+        chat["tool_choice"] = _tool_choice(choice)
     thinking = _thinking(body.get("thinking"))
     if thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": thinking}
