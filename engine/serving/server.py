@@ -261,34 +261,10 @@ class ServerApp:
             # request waits on: a huge body does not stall the event loop or small requests.
             prepared = await anyio.to_thread.run_sync(self._prepare, raw)
             chat = prepared.request
-            self._check_queue()
+            running = await self._start(request, prepared, warm=True)
         except ApiError as e:
             return _error(e)
-
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-
-        mine: list[Job] = []
-
-        def emit(event: tuple) -> None:  # called on the engine's model thread
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the loop is gone (shutdown): nobody is listening
-                for j in mine:
-                    j.cancel()
-
-        job = self.worker.submit(prepared, emit, warm=self.config.warm)
-        mine.append(job)
-        self.jobs = {j for j in self.jobs if not j.done.is_set()} | {job}
-        watcher = asyncio.ensure_future(_watch_disconnect(request, job))
-        try:
-            first = await events.get()  # headers wait until the prompt is in: errors stay HTTP
-        except BaseException:
-            job.cancel()
-            watcher.cancel()
-            raise
-        if first[0] == "error":
-            watcher.cancel()
-            return _error(first[1])
+        job, events, first, watcher = running.job, running.events, running.first, running.watcher
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if chat.stream:
             stream = self._stream(chat, job, events, first, watcher, ident, created)
