@@ -113,9 +113,15 @@ def decode(
     try:
         yield from _decode(model, caches, logits, sampler, max_tokens, stop_ids, history)
     finally:
-        eval_caches(caches)
-        if isinstance(getattr(sampler, "key", None), mx.array):
-            mx.eval(sampler.key)
+        settle(caches, sampler)
+
+
+def settle(caches: list, sampler) -> None:
+    """Evaluate what a decode loop leaves lazy (the caches, the sampler's random key) on this
+    thread, on every way out of the loop: nothing lazy outlives it."""
+    eval_caches(caches)
+    if isinstance(getattr(sampler, "key", None), mx.array):
+        mx.eval(sampler.key)
 
 
 def _decode(model, caches, logits, sampler, max_tokens, stop_ids, history) -> Iterator[int]:

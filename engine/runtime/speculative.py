@@ -24,7 +24,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from .generate import decode, eval_caches
+from .generate import decode, settle
 from .sampling import Sampler
 from .step import Row, forward, rollback
 
@@ -241,9 +241,7 @@ def speculative_decode(
         yield from _speculate(model, caches, logits, sampler, max_tokens, set(stop_ids),
                               history, drafter, policy, stats)  # fmt: skip
     finally:
-        eval_caches(caches)
-        if isinstance(sampler.key, mx.array):
-            mx.eval(sampler.key)
+        settle(caches, sampler)
 
 
 def _speculate(model, caches, logits, sampler, max_tokens, stops, history, drafter, policy,
