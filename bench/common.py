@@ -14,6 +14,8 @@ import os
 import platform
 import resource
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 # Thread settings that change CPU numbers; recorded, never set behind the user's back.
@@ -145,3 +147,16 @@ def peak_rss_bytes() -> int:
     """Peak resident memory of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
+
+
+def best_seconds(fn: Callable[[], object], repeats: int, *, warmup: bool = False) -> float:
+    """The fastest of `repeats` timed calls of `fn` (after one untimed call with `warmup`:
+    page faults, thread pools)."""
+    if warmup:
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best

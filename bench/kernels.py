@@ -15,19 +15,10 @@ import subprocess
 import sys
 import time
 
-from bench.common import ROOT, child_env, cpu_model
+from bench.common import ROOT, best_seconds, child_env, cpu_model
 
 # Qwen3.5-0.8B Gated DeltaNet layer shapes.
 B, HK, HV, DK, DV = 1, 16, 16, 128, 128
-
-
-def _best(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def child(ts: list[int], repeats: int) -> dict:
@@ -64,9 +55,9 @@ def child(ts: list[int], repeats: int) -> dict:
         mx.eval(gated_delta(*(x[:, :64] for x in args), method="sequential"))
         # mx.fast first: OpenBLAS worker threads may still spin briefly after chunked runs.
         seq_reps = 1 if T > 4096 else max(1, repeats - 1)
-        t_seq = _best(lambda a=args: mx.eval(gated_delta(*a, method="sequential")), seq_reps)
+        t_seq = best_seconds(lambda a=args: mx.eval(gated_delta(*a, method="sequential")), seq_reps)
         time.sleep(0.5)
-        t_chunk = _best(lambda a=args: mx.eval(gated_delta(*a, method="chunked")), repeats)
+        t_chunk = best_seconds(lambda a=args: mx.eval(gated_delta(*a, method="chunked")), repeats)
         y_c, s_c = gated_delta(*args, method="chunked")
         y_s, s_s = gated_delta(*args, method="sequential")
         y_s_np = np.array(y_s)

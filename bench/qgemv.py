@@ -16,17 +16,7 @@ import os
 import sys
 import time
 
-from bench.common import cpu_model
-
-
-def _best(fn, repeats: int) -> float:
-    fn()  # warm-up: page faults, thread pools
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from bench.common import best_seconds, cpu_model
 
 
 def gemv(n: int, k: int, repeats: int) -> dict:
@@ -40,8 +30,8 @@ def gemv(n: int, k: int, repeats: int) -> dict:
     x = mx.random.normal((1, k))
     mx.eval(w, x)
     wn, xn = np.array(w), np.array(x)[0]
-    out = {"numpy_sgemv_f32": wn.nbytes / _best(lambda: wn @ xn, repeats)}
-    out["mlx_matmul_f32"] = wn.nbytes / _best(lambda: mx.eval(x @ w.T), repeats)
+    out = {"numpy_sgemv_f32": wn.nbytes / best_seconds(lambda: wn @ xn, repeats, warmup=True)}
+    out["mlx_matmul_f32"] = wn.nbytes / best_seconds(lambda: mx.eval(x @ w.T), repeats, warmup=True)
     for bits in (8, 4):
         q, s, b = mx.quantize(w, group_size=64, bits=bits)
         s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)  # as mlx-community files store them
@@ -49,9 +39,15 @@ def gemv(n: int, k: int, repeats: int) -> dict:
         size = q.nbytes + s.nbytes + b.nbytes
         args = (x, q, s, b)
         if mod is not None:
-            t = _best(lambda a=args, n=bits: mx.eval(mod.quantized_gemv(*a, 64, n)), repeats)
+            t = best_seconds(
+                lambda a=args, n=bits: mx.eval(mod.quantized_gemv(*a, 64, n)), repeats, warmup=True
+            )
             out[f"native_q{bits}"] = size / t
-        t = _best(lambda a=args, n=bits: mx.eval(mx.quantized_matmul(*a, group_size=64, bits=n)), 2)
+        t = best_seconds(
+            lambda a=args, n=bits: mx.eval(mx.quantized_matmul(*a, group_size=64, bits=n)),
+            2,
+            warmup=True,
+        )
         out[f"mlx_quantized_matmul_q{bits}"] = size / t
     return {key: round(v / 1e9, 2) for key, v in out.items()}
 
