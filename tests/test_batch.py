@@ -192,3 +192,89 @@ def test_concurrent_conversations_reuse_their_caches_as_one_client_does(eng):
                 assert b.stats.reused_tokens > 0  # each conversation kept its own cache
             for e, turn in (("batched", b), ("alone", a)):
                 histories[e][i].append({"role": "assistant", "content": turn.text})
+
+
+def test_concurrent_clients_of_the_server_batch_and_answer_as_alone(eng):
+    """The official openai client, four streams at once against the real server."""
+    import time
+
+    import openai
+
+    from engine.serving.server import BackgroundServer, ServerConfig
+
+    with BackgroundServer(eng, ServerConfig(port=0, warm=False)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
+                               timeout=120)  # fmt: skip
+        results: dict[int, tuple] = {}
+
+        def ask(i):
+            stream = client.chat.completions.create(
+                model="tiny", messages=messages(20 + i), max_tokens=MAX_TOKENS, temperature=0,
+                stream=True, stream_options={"include_usage": True},
+            )  # fmt: skip
+            text, usage = [], None
+            for chunk in stream:
+                usage = chunk.usage or usage
+                text += [c.delta.content for c in chunk.choices if c.delta.content]
+            results[i] = ("".join(text), usage)
+
+        before = eng.batch_stats
+        held = Held(eng)
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while eng.worker.queued() < 4:  # all four requests wait behind the held thread
+            assert time.monotonic() < deadline, "the requests never reached the model thread"
+            time.sleep(0.01)
+        held.release()
+        for t in threads:
+            t.join(180)
+        assert eng.batch_stats["widest"] >= 2 and eng.batch_stats["steps"] > before["steps"]
+        together = dict(results)
+        for i in range(4):  # the same requests again, one at a time
+            ask(i)
+            assert results[i][0] == together[i][0]
+            prompt = eng.stateless.prepare(parse_request({"messages": messages(20 + i)})).prompt
+            expected, _ = fresh_greedy(eng, prompt.ids, MAX_TOKENS)
+            assert together[i][1].completion_tokens == len(expected)
+
+
+def test_a_failed_batched_step_is_retried_row_by_row_and_fails_only_its_row(eng, monkeypatch):
+    model_type = type(eng.model)
+    real_rows, real_hidden = model_type.decode_rows, model_type.hidden
+    calls = {"rows": 0}
+
+    def failing_rows(self, ids, caches):  # the batched pass dies half-way, once
+        calls["rows"] += 1
+        if calls["rows"] == 2:
+            self.layers[0].decode_rows(self.embed_tokens(ids)[:, None], [c[0] for c in caches])
+            raise RuntimeError("injected batch failure")
+        return real_rows(self, ids, caches)
+
+    doomed = {}
+
+    def hidden(self, ids, caches):  # and one row fails on its own in the retry
+        if caches is doomed.get("caches"):
+            raise RuntimeError("injected row failure")
+        return real_hidden(self, ids, caches)
+
+    def doom(request):
+        if sum(e[0] == "delta" for e in request.events) == 1 and not doomed:
+            seq = eng.stateless.pool.sequences
+            doomed["caches"] = next(s.caches for s in seq if s.busy and s.tokens[-1:] and
+                                    s.filling == request.prepared.prompt.ids)  # fmt: skip
+
+    monkeypatch.setattr(model_type, "decode_rows", failing_rows)
+    monkeypatch.setattr(model_type, "hidden", hidden)
+    held = Held(eng)
+    survivors = [Request(eng, messages(30 + i)) for i in range(2)]
+    victim = Request(eng, messages(32), on_token=doom)
+    held.release()
+    for request in survivors:
+        check_alone(eng, request.turn())
+    assert victim.done.wait(120) and victim.events[-1][0] == "error"
+    assert "injected row failure" in str(victim.events[-1][1].message)
+    monkeypatch.undo()
+    # The failed row's sequence rolled back: the same request now answers as alone.
+    check_alone(eng, Request(eng, messages(32)).turn())

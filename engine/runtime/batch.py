@@ -44,6 +44,7 @@ WAIT = _Wait()
 class _Ticket:
     row: Row
     result: tuple[mx.array, Mark] | None = None
+    error: BaseException | None = None  # the step failed for this row: raised in its loop
 
 
 class Batch:
@@ -69,8 +70,22 @@ class Batch:
         del self._waiting[: len(tickets)]
         if not tickets:
             return
-        for ticket, result in zip(tickets, forward(self.model, [t.row for t in tickets])):
-            ticket.result = result
+        try:
+            results = forward(self.model, [t.row for t in tickets])
+        except Exception as e:  # the rows are back where they were: find whose it is
+            if len(tickets) == 1:
+                tickets[0].error = e
+                return
+            results = []
+            for ticket in tickets:  # a row's failure never fails the others
+                try:
+                    results.append(forward(self.model, [ticket.row])[0])
+                except Exception as e:
+                    ticket.error = e
+                    results.append(None)
+        for ticket, result in zip(tickets, results):
+            if result is not None:
+                ticket.result = result
         self.steps += 1
         self.rows += len(tickets)
         self.widest = max(self.widest, len(tickets))
@@ -97,8 +112,11 @@ class Batch:
                 if isinstance(item, Row):
                     ticket = _Ticket(item)
                     self._waiting.append(ticket)
-                    while ticket.result is None:
+                    while ticket.result is None and ticket.error is None:
                         yield WAIT
+                    if ticket.error is not None:
+                        error, ticket = ticket.error, None
+                        raise error
                     result, ticket = ticket.result, None
                     item = steps.send(result)
                 else:
@@ -109,7 +127,8 @@ class Batch:
         finally:
             if ticket is not None:  # closed while its row waited for, or had, a step
                 if ticket.result is None:
-                    self._waiting.remove(ticket)
+                    if ticket in self._waiting:
+                        self._waiting.remove(ticket)
                 else:
                     _, mark = ticket.result
                     rollback(ticket.row.caches, mark, mark.start)

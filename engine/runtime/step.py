@@ -94,7 +94,12 @@ def _batched(model, rows: list[Row]) -> list[tuple[mx.array, Mark]]:
     ])  # fmt: skip
     marks = [Mark(r.caches[0].offset, r.caches[0].offset + 1, [c.snapshot() for c in r.caches])
              for r in rows]  # fmt: skip
-    logits = model.logits(model.decode_rows(ids, [r.caches for r in rows])[:, 0])
+    try:
+        logits = model.logits(model.decode_rows(ids, [r.caches for r in rows])[:, 0])
+    except BaseException:  # no row keeps half a step: all go back to where they were
+        for r, mark in zip(rows, marks):
+            rollback(r.caches, mark, mark.start)
+        raise
     return [(logits[i : i + 1], mark) for i, mark in enumerate(marks)]
 
 

@@ -229,7 +229,7 @@ class ModelThread:
                 busy |= self._advance(task)
             if self.batch is not None and self.batch.pending:
                 with self.lock:
-                    self.batch.step()
+                    self.batch.step()  # a failed row's error goes to its task, not here
                 busy = True
             if not self._tasks and self._later and self.jobs.empty():
                 self._run(self._later.popleft())
@@ -383,7 +383,11 @@ class _Task(Job):
             return True, True
         if item is WAIT:
             return True, False
-        self.deliver(item)
+        try:
+            self.deliver(item)
+        except BaseException as e:  # the consumer's callback failed: the task ends with it
+            self.close(e)
+            return True, True
         return True, False
 
     def close(self, error: BaseException | None) -> None:
