@@ -233,7 +233,7 @@ def load(
     `dtype` overrides the registry's compute dtype for this backend (float32 on CPUs).
     Quantized checkpoints stay quantized: on CPUs their matmuls go through the native kernels
     (`kernels.native`: a GEMV over the compact weights for decode, float32 BLAS for prefill);
-    float32 products of 2-16 rows (batched decode, speculative verify) take its float32 GEMV;
+    float32 products of 2-32 rows (batched decode, speculative verify) take its float32 GEMV;
     mixture-of-experts checkpoints are dequantized on CPUs. `quantize=8|4` quantizes a float
     checkpoint at load (MLX's affine format, group 64, as `mlx_lm.convert` writes it).
     `cache_bytes` bounds all sessions' caches and snapshots (default: half of what the
@@ -284,7 +284,7 @@ def load(
     if cpu and name == "float32":
         from kernels import native
 
-        if native.module() is not None:  # batched decode: float32 products of 2-16 rows
+        if native.module() is not None:  # batched decode: float32 products of 2-32 rows
             use_dense_kernels(net)
     tok = load_tokenizer(path)
     stops = tuple(tok.token_id(t) for t in ckpt.entry.stop_tokens)

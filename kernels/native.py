@@ -2,7 +2,7 @@
 
 MLX's own CPU ``quantized_matmul`` runs a decode step's 4/8-bit GEMVs at ~1 GB/s; the native
 primitive (``kernels/native/qgemv.cpp``, an MLX ``Primitive`` with ``eval_cpu``) reads the
-compact weights at memory speed. A batched decode step's float32 products of 2-16 rows go
+compact weights at memory speed. A batched decode step's float32 products of 2-32 rows go
 through ``kernels/native/dense.cpp``: OpenBLAS's sgemm reads the weights of so few rows at a
 quarter of sgemv's speed, the native kernel reads them once for all rows. They are compiled with CMake against MLX's exported package and
 nanobind into ``CHATML_HOME/kernels/<key>/``, keyed by MLX version, nanobind version, Python,
@@ -40,8 +40,9 @@ SOURCE_DIR = Path(__file__).resolve().parent / "native"
 MODULE = "_chatml_qgemv"
 GEMV_ROWS = 64  # up to this many rows of x use the GEMV kernel; more: dequantize + sgemm
 # Float32 rows of x that take the native dense GEMV: one row is sgemv already (the BLAS shim
-# sends M == 1 there); past 16 rows sgemm catches up (bench/qgemv.py --batch, BENCHMARKS.md).
-DENSE_ROWS = (2, 16)
+# sends M == 1 there, as fast); sgemm catches up at about 48 rows (bench/qgemv.py --batch,
+# BENCHMARKS.md).
+DENSE_ROWS = (2, 32)
 
 
 @dataclass(frozen=True)
@@ -253,10 +254,11 @@ def quantized_matmul(x, w, scales, biases, group_size: int, bits: int):
 
 
 def dense_matmul(x, w):
-    """``x @ w.T`` for a float32 weight ``w [N, K]``: the native GEMV when x has 2-16 rows
-    (a batched decode step, a speculative verify), MLX's matmul otherwise (one row: sgemv
-    through the BLAS shim; prefill: sgemm) and on the Python path. The same float32 dot
-    products either way, summed in another order."""
+    """``x @ w.T`` for a float32 weight ``w [N, K]``: the native GEMV when x has 2-32 rows (a
+    batched decode step, a speculative verify, a short prefill), MLX's matmul otherwise (one
+    row: sgemv through the BLAS shim; longer prefills: sgemm) and on the Python path. The same
+    float32 dot products either way, summed in another order. A weight that is a view (e.g.
+    transposed) is copied to row-major per call: correct, but slow for big matrices."""
     import mlx.core as mx
 
     lo, hi = DENSE_ROWS

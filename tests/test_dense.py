@@ -166,3 +166,23 @@ def test_model_rows_match_the_model_without_the_kernel(tiny, monkeypatch):
     scale = max(1.0, mx.abs(want).max().item())
     assert mx.abs(got - want).max().item() <= 1e-5 * scale
     assert (mx.argmax(got, -1) == mx.argmax(want, -1)).all().item()
+
+
+def test_doctor_names_the_float32_batch_path(mod, capsys, monkeypatch):
+    import json
+
+    from engine.cli import main
+    from kernels import blas
+
+    monkeypatch.setattr(blas, "measure_gflops", lambda: 1.0)  # the report, not the speed
+    assert main(["doctor", "--json"]) == 0
+    path = json.loads(capsys.readouterr().out)["float32_batch_path"]
+    lo, hi = native.DENSE_ROWS
+    assert path.startswith(f"native GEMV for {lo}-{hi} rows ({native.info().isa})")
+    monkeypatch.setenv("CHATML_NATIVE", "0")
+    native.reset()
+    assert main(["doctor", "--json"]) == 0
+    path = json.loads(capsys.readouterr().out)["float32_batch_path"]
+    assert path == f"BLAS sgemm (slower for {lo}-{hi} rows: disabled by CHATML_NATIVE=0)"
+    monkeypatch.undo()
+    native.reset()
