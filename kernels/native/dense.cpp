@@ -1,12 +1,14 @@
 // Float32 GEMV over a few rows as an MLX primitive: y [M, N] = x [M, K] @ w [N, K].T.
 //
-// A batched decode step multiplies 2-16 rows by every weight matrix. OpenBLAS's sgemm with so
+// A batched decode step multiplies a few rows by every weight matrix. OpenBLAS's sgemm with so
 // few rows reads the weights at about a quarter of sgemv's speed (packing panels made for big
 // M), so a batch of 4 costs about 4 single rows. This kernel streams w once at memory speed:
 // a tile of R weight rows meets MB rows of x with R * MB accumulators in registers, so each
 // weight vector loaded feeds MB fused multiply-adds and each activation vector R. With more
 // than MB rows of x, the next MB rows reuse the same panel of weight rows from L1/L2, not
-// from memory. Output rows split over the thread pool that the quantized GEMV uses.
+// from memory; x is walked in column blocks that stay in L1 across the panel. Output rows
+// split over the thread pool that the quantized GEMV uses. kernels/native.py sends it 2-32
+// rows (DENSE_ROWS: where it beats sgemm, BENCHMARKS.md).
 //
 // Every output is one float32 dot product: per SIMD lane a running sum over K / width terms,
 // then the lanes added; the order differs from BLAS's, the precision does not.
@@ -138,14 +140,9 @@ void generic_gemv(const float* x, const float* w, float* y, int M, int N, int K,
 
 #if defined(CHATML_DENSE_SIMD)
 constexpr int W = Vec::kWidth;
-constexpr int kPanel = 24;    // weight rows per panel: a multiple of every weight_rows(mb)
-#ifndef CHATML_TUNE
+constexpr int kPanel = 24;  // weight rows per panel: a multiple of every weight_rows(mb)
 constexpr int kBlockBytes = 24 << 10;  // a column block of the MB rows of x: stays in L1
-constexpr int kPrefetch = 32;         // vectors ahead in a weight row to prefetch (2 KiB)
-#else
-static int kBlockBytes = std::atoi(std::getenv("BLOCK_KB")) << 10;
-static int kPrefetch = std::atoi(std::getenv("PREFETCH"));
-#endif
+constexpr int kPrefetch = 32;          // vectors ahead in a weight row to prefetch (2 KiB)
 
 // The layout both operands are walked in. Weight rows start `phase` floats past a 64-byte
 // boundary (MLX's allocator hands out buffers 24 bytes past one), so each row is read from
@@ -185,9 +182,8 @@ inline void step(typename Vec::T (&acc)[R][MB], const float* w, const float* x,
   for (int r = 0; r < R; ++r) {
     const float* p = w + r * l.ldw + static_cast<size_t>(v) * W;
     wv[r] = MASKED ? Vec::load(p, mask) : Vec::load(p);
-    if (kPrefetch > 0) {  // the hardware prefetcher loses track of rows read a block at a time
-      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch * W), _MM_HINT_T0);
-    }
+    // the hardware prefetcher loses track of rows read a block at a time
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch * W), _MM_HINT_T0);
   }
   for (int m = 0; m < MB; ++m) {
     typename Vec::T xv = Vec::load(x + m * l.ldx + static_cast<size_t>(v) * W);
@@ -305,11 +301,9 @@ void simd_gemv(const float* x, const float* w, float* y, int M, int N, int K) {
   const int parts = bytes < (64u << 10) ? 1 : pool().size();  // small: not worth a wake-up
   pool().run(job, parts);
 }
-constexpr int kMaxTileRows = Vec::kMaxRows;
 constexpr bool kSimd = true;
 #else
 void simd_gemv(const float*, const float*, float*, int, int, int) {}
-constexpr int kMaxTileRows = 1;
 constexpr bool kSimd = false;
 #endif
 
@@ -399,8 +393,6 @@ array dense_gemv(const array& x, const array& w) {
 void bind_dense(nb::module_& m) {
   m.def("dense_gemv", &dense_gemv, nb::arg("x"), nb::arg("w"),
         "x @ w.T for float32 x [..., K] and w [N, K] on the CPU, reading w once (few rows).");
-  m.def("dense_tile_rows", [] { return kMaxTileRows; },
-        "Rows of x one register tile holds (more rows: the weight panel is reused from cache).");
 }
 
 }  // namespace chatml
