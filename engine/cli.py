@@ -90,6 +90,21 @@ def native_path() -> str:
     return f"MLX ops (slower: {got.reason})"
 
 
+def dense_path() -> str:
+    """Which path float32 matmuls of a few rows (batched decode) take, in words."""
+    from kernels import native
+
+    from .engine import backend
+
+    if backend() != "cpu":
+        return "MLX's GPU kernels"
+    got = native.info()
+    lo, hi = native.DENSE_ROWS
+    if got.active:
+        return f"native GEMV for {lo}-{hi} rows ({got.isa}); 1 row: BLAS sgemv; more: sgemm"
+    return f"BLAS sgemm (slower for {lo}-{hi} rows: {got.reason})"
+
+
 def _build_kernels(args) -> int:
     import time
 
@@ -135,6 +150,7 @@ def _doctor(args) -> int:
         "blas_provider": info.provider,
         "blas_note": info.reason,
         "quantized_cpu_path": native_path(),
+        "float32_batch_path": dense_path(),
         "matmul_gflops_f32": round(blas.measure_gflops(), 1),
         "chatml_home": str(chatml_home()),  # built models, the tokenizer, sessions
     }

@@ -25,6 +25,7 @@ from .checkpoints.registry import ModelEntry
 from .checkpoints.tokenizer import Tokenizer
 from .runtime import memory
 from .runtime.batch import DEFAULT_MAX_BATCH, Batch
+from .runtime.dense import use_dense_kernels
 from .runtime.model import ModelOptions, Qwen35
 from .runtime.quantized import quantize_model, use_cpu_kernels
 from .runtime.snapshot import CacheBudget
@@ -264,6 +265,7 @@ def load(
     `dtype` overrides the registry's compute dtype for this backend (float32 on CPUs).
     Quantized checkpoints stay quantized: on CPUs their matmuls go through the native kernels
     (`kernels.native`: a GEMV over the compact weights for decode, float32 BLAS for prefill);
+    float32 products of 2-32 rows (batched decode, speculative verify) take its float32 GEMV;
     mixture-of-experts checkpoints are dequantized on CPUs. `quantize=8|4` quantizes a float
     checkpoint at load (MLX's affine format, group 64, as `mlx_lm.convert` writes it).
     `cache_bytes` bounds all sessions' caches and snapshots (default: half of what the
@@ -313,6 +315,11 @@ def load(
 
         native.module()  # build (once, into CHATML_HOME) or report the fallback now, not mid-turn
         use_cpu_kernels(net)
+    if cpu and name == "float32":
+        from kernels import native
+
+        if native.module() is not None:  # batched decode: float32 products of 2-32 rows
+            use_dense_kernels(net)
     tok = load_tokenizer(path)
     stops = tuple(tok.token_id(t) for t in ckpt.entry.stop_tokens)
     if cache_bytes is None:

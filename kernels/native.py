@@ -2,7 +2,9 @@
 
 MLX's own CPU ``quantized_matmul`` runs a decode step's 4/8-bit GEMVs at ~1 GB/s; the native
 primitive (``kernels/native/qgemv.cpp``, an MLX ``Primitive`` with ``eval_cpu``) reads the
-compact weights at memory speed. It is compiled with CMake against MLX's exported package and
+compact weights at memory speed. A batched decode step's float32 products of 2-32 rows go
+through ``kernels/native/dense.cpp``: OpenBLAS's sgemm reads the weights of so few rows at a
+quarter of sgemv's speed, the native kernel reads them once for all rows. They are compiled with CMake against MLX's exported package and
 nanobind into ``CHATML_HOME/kernels/<key>/``, keyed by MLX version, nanobind version, Python,
 machine and a hash of the sources, so an MLX upgrade rebuilds instead of loading a module
 built for another ABI. ``chatml build-kernels`` builds it explicitly.
@@ -32,11 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["NativeInfo", "build", "info", "module", "quantized_matmul"]
+__all__ = ["NativeInfo", "build", "dense_matmul", "info", "module", "quantized_matmul"]
 
 SOURCE_DIR = Path(__file__).resolve().parent / "native"
 MODULE = "_chatml_qgemv"
 GEMV_ROWS = 64  # up to this many rows of x use the GEMV kernel; more: dequantize + sgemm
+# Float32 rows of x that take the native dense GEMV: one row is sgemv already (the BLAS shim
+# sends M == 1 there, as fast); sgemm catches up at about 48 rows (bench/qgemv.py --batch,
+# BENCHMARKS.md).
+DENSE_ROWS = (2, 32)
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,7 @@ def _import(file: Path) -> ModuleType:
     try:  # a nanobind whose ABI differs from mlx.core's cannot take an mx.array
         w, scales, biases = mx.quantize(mx.ones((1, 64)), group_size=64, bits=8)
         mx.eval(mod.quantized_gemv(mx.ones((1, 64)), w, scales, biases, 64, 8))
+        mx.eval(mod.dense_gemv(mx.ones((2, 16)), mx.ones((3, 16))))
     except TypeError as err:
         raise RuntimeError(f"the module does not accept mx.array (nanobind ABI): {err}") from None
     return mod
@@ -190,8 +197,9 @@ def _load() -> tuple[ModuleType | None, NativeInfo]:
     except Exception as err:  # no compiler, failed build, ABI mismatch: the Python path runs
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         print(
-            f"chatml: native CPU kernels unavailable ({reason}); quantized matmuls use MLX's "
-            "slower ops (`chatml doctor` explains, `chatml build-kernels` retries)",
+            f"chatml: native CPU kernels unavailable ({reason}); quantized and batched float32 "
+            "matmuls use MLX's slower ops (`chatml doctor` explains, `chatml build-kernels` "
+            "retries)",
             file=sys.stderr,
         )
         return None, NativeInfo("", reason=str(err).strip())
@@ -243,3 +251,25 @@ def quantized_matmul(x, w, scales, biases, group_size: int, bits: int):
     f32 = mx.float32
     weight = mx.dequantize(w, scales.astype(f32), biases.astype(f32), group_size, bits)
     return x @ weight.astype(x.dtype).T
+
+
+def dense_matmul(x, w):
+    """``x @ w.T`` for a float32 weight ``w [N, K]``: the native GEMV when x has 2-32 rows (a
+    batched decode step, a speculative verify, a short prefill), MLX's matmul otherwise (one
+    row: sgemv through the BLAS shim; longer prefills: sgemm) and on the Python path. The same
+    float32 dot products either way, summed in another order. A weight that is a view (e.g.
+    transposed) is copied to row-major per call: correct, but slow for big matrices."""
+    import mlx.core as mx
+
+    lo, hi = DENSE_ROWS
+    if (
+        x.dtype == mx.float32
+        and w.dtype == mx.float32
+        and w.ndim == 2
+        and x.ndim >= 1
+        and x.shape[-1] == w.shape[1] > 0
+        and lo <= x.size // x.shape[-1] <= hi
+        and (mod := module()) is not None
+    ):
+        return mod.dense_gemv(x, w)
+    return x @ w.T

@@ -17,6 +17,16 @@ os.environ.setdefault("CHATML_HOME", tempfile.mkdtemp(prefix="chatml-test-home-"
 import engine  # noqa: E402,F401  (first: the fast BLAS must load before any test imports mlx)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_kernels():
+    """Build the native CPU kernels into this run's CHATML_HOME before any test: every float32
+    CPU engine uses them, and a first build inside a CLI subprocess under a test's timeout
+    (~30 s of CPU, minutes on a loaded machine) would fail that test instead."""
+    from kernels import native
+
+    native.module()
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """The embedded `tiny` engine, float32, loaded once per run."""

@@ -1,0 +1,188 @@
+"""The native float32 few-row GEMV (kernels/native/dense.cpp) against a float64 numpy
+reference and MLX's matmul, inside `mx.compile`, on awkward inputs, and in the model.
+
+Tolerance: |y - ref| <= 2e-6 * (|x| @ |w|.T) per output. Each output is one float32 dot
+product summed per SIMD lane, then across lanes (K <= 1030 here: at most 65 terms a lane),
+so its error is a few float32 ulps of the sum of magnitudes; MLX's sgemm rounds the same way
+in another order, so native and MLX agree to 1e-5 of that magnitude.
+"""
+
+import threading
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+import engine
+from engine.runtime.dense import CpuEmbedding, CpuLinear
+from kernels import native
+
+REL = 2e-6
+
+
+@pytest.fixture(scope="module")
+def mod():
+    native.reset()
+    m = native.module()
+    assert m is not None, native.info().reason  # a compiler is present in CI: it must build
+    return m
+
+
+def reference(x: mx.array, w: mx.array):
+    xd = np.array(x, dtype=np.float64).reshape(-1, w.shape[1])
+    wd = np.array(w, dtype=np.float64)
+    return xd @ wd.T, np.abs(xd) @ np.abs(wd).T
+
+
+def offset_matrix(n: int, k: int, offset: int, seed: int) -> mx.array:
+    """A row-contiguous [n, k] view starting `offset` floats into its buffer: the kernel aligns
+    its loads to the weight rows' phase, so every phase must give the same answer."""
+    flat = mx.random.normal((n * k + offset,), key=mx.random.key(seed))
+    return flat[offset:].reshape(n, k)
+
+
+@pytest.mark.parametrize("isa", ["simd", "generic"])
+def test_kernel_matches_float64_reference(mod, monkeypatch, isa):
+    if isa == "generic":  # the portable kernel (NEON and unknown CPUs) on this machine too
+        monkeypatch.setenv("CHATML_GEMV_ISA", "generic")
+    # odd K (masked last vectors, a row shorter than one vector) and odd N (tail tiles); the
+    # largest matrix is split over the thread pool and into two column blocks
+    shapes = ((37, 19, 0), (5, 7, 3), (200, 513, 5), (1001, 1030, 0), (301, 1024, 6))
+    for N, K, offset in shapes:
+        w = offset_matrix(N, K, offset, seed=N)
+        for M in range(1, 17):
+            x = mx.random.normal((M, K), key=mx.random.key(M))
+            y = mod.dense_gemv(x, w)
+            ref, mag = reference(x, w)
+            assert y.shape == (M, N) and y.dtype == mx.float32
+            err = np.abs(np.array(y, dtype=np.float64) - ref)
+            assert (err <= REL * mag).all(), f"M={M} N={N} K={K}: {(err / mag).max():.2e}"
+
+
+def test_matches_mlx_matmul_at_every_phase(mod):
+    for offset in range(16):  # 16 floats: every placement of a row in a 64-byte line
+        w = offset_matrix(96, 1024, offset, seed=offset)
+        x = mx.random.normal((4, 1024), key=mx.random.key(offset))
+        got, want = np.array(mod.dense_gemv(x, w)), np.array(x @ w.T)
+        _, mag = reference(x, w)
+        assert (np.abs(got - want) <= 1e-5 * mag).all(), offset
+
+
+def test_compile_views_and_bad_input(mod):
+    w = mx.random.normal((300, 77), key=mx.random.key(1))
+    x = mx.random.normal((5, 77), key=mx.random.key(2))
+    step = mx.compile(lambda a: mx.tanh(native.dense_matmul(2 * a, w)) + 1)
+    ref, mag = reference(2 * x, w)
+    want = np.tanh(ref) + 1
+    for _ in range(2):  # traced, then replayed
+        assert np.abs(np.array(step(x)) - want).max() < 1e-5
+    # leading dims, a transposed weight, a transposed and a sliced x: copied to row-major
+    x3 = mx.random.normal((2, 3, 77), key=mx.random.key(3))
+    wt = mx.random.normal((77, 300), key=mx.random.key(4)).T
+    xt = mx.random.normal((77, 5), key=mx.random.key(5)).T
+    xs = mx.random.normal((5, 100), key=mx.random.key(6))[:, 10:87]
+    for a, b in ((x3, w), (x, wt), (xt, w), (xs, w)):
+        y = mod.dense_gemv(a, b)
+        ref, mag = reference(a, b)
+        assert y.shape == (*a.shape[:-1], 300)
+        assert (np.abs(np.array(y, dtype=np.float64).reshape(ref.shape) - ref) <= REL * mag).all()
+    with pytest.raises(ValueError, match="x has 10 columns, w has 77 per row"):
+        mod.dense_gemv(x[:, :10], w)
+    with pytest.raises(ValueError, match="x must be a float32 array"):
+        mod.dense_gemv(x.astype(mx.bfloat16), w)
+    with pytest.raises(ValueError, match="w must be a 2-D float32 array"):
+        mod.dense_gemv(x, w[None])
+    with pytest.raises(ValueError, match="w must be a 2-D float32 array"):
+        mod.dense_gemv(x, w.astype(mx.float16))
+
+
+def test_dense_matmul_takes_the_kernel_for_2_to_16_rows(mod, monkeypatch):
+    calls = []
+
+    class Spy:
+        def dense_gemv(self, x, w):
+            calls.append(x.shape)
+            return mod.dense_gemv(x, w)
+
+    monkeypatch.setattr(native, "module", lambda: Spy())
+    w = mx.random.normal((64, 32))
+    lo, hi = native.DENSE_ROWS
+    for rows in (1, lo, hi, hi + 1):
+        x = mx.random.normal((rows, 32))
+        assert mx.allclose(native.dense_matmul(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+    native.dense_matmul(mx.random.normal((4, 32)).astype(mx.bfloat16), w.astype(mx.bfloat16))
+    assert calls == [(lo, 32), (hi, 32)]  # one row, 17 rows and bfloat16 stay with MLX
+
+
+def test_two_threads_at_once(mod):
+    """Two threads (each its own MLX stream) share the kernel's thread pool correctly."""
+    w = np.array(mx.random.normal((2048, 512), key=mx.random.key(7)))  # big enough for the pool
+    x = np.array(mx.random.normal((6, 512), key=mx.random.key(8)))
+    ref, mag = np.float64(x) @ np.float64(w).T, np.abs(np.float64(x)) @ np.abs(np.float64(w)).T
+    errors = []
+
+    def worker():
+        with mx.stream(mx.new_stream(mx.cpu)):
+            xs, ws = mx.array(x), mx.array(w)
+            for _ in range(20):
+                y = np.array(mod.dense_gemv(xs, ws), dtype=np.float64)
+                if not (np.abs(y - ref) <= REL * mag).all():
+                    errors.append(np.abs(y - ref).max())
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def batch_logits(model, ids, steps=3):
+    """Logits of a prefill of rows `ids` [B, T] then `steps` greedy one-token steps of all rows
+    (the compiled per-layer decode path), concatenated over time."""
+    caches = model.make_caches()
+    out = [model(mx.array(ids), caches)]
+    for _ in range(steps):
+        out.append(model(mx.argmax(out[-1][:, -1:], axis=-1), caches))
+    return mx.concatenate(out, axis=1)
+
+
+def test_model_rows_match_the_model_without_the_kernel(tiny, monkeypatch):
+    """A forward of B rows through the native layers = the same checkpoint loaded with MLX's
+    matmuls (CHATML_NATIVE=0): prefill of 4 x 4 tokens (16 rows) and decode steps of 4 rows."""
+    layers = [m for m in tiny.model.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    assert layers and all(type(m) in (CpuLinear, CpuEmbedding) for m in layers)
+    monkeypatch.setenv("CHATML_NATIVE", "0")
+    native.reset()
+    plain = engine.load("tiny")
+    assert not any(type(m) in (CpuLinear, CpuEmbedding) for m in plain.model.modules())
+    monkeypatch.undo()
+    native.reset()
+    prompts = ["Hello there", "你好", "Tell me a story", "17 x 23"]
+    ids = [tiny.tokenizer.encode(p)[:3] for p in prompts]
+    ids = [row + [220] * (4 - len(row)) for row in ids]
+    got, want = batch_logits(tiny.model, ids), batch_logits(plain.model, ids)
+    scale = max(1.0, mx.abs(want).max().item())
+    assert mx.abs(got - want).max().item() <= 1e-5 * scale
+    assert (mx.argmax(got, -1) == mx.argmax(want, -1)).all().item()
+
+
+def test_doctor_names_the_float32_batch_path(mod, capsys, monkeypatch):
+    import json
+
+    from engine.cli import main
+    from kernels import blas
+
+    monkeypatch.setattr(blas, "measure_gflops", lambda: 1.0)  # the report, not the speed
+    assert main(["doctor", "--json"]) == 0
+    path = json.loads(capsys.readouterr().out)["float32_batch_path"]
+    lo, hi = native.DENSE_ROWS
+    assert path.startswith(f"native GEMV for {lo}-{hi} rows ({native.info().isa})")
+    monkeypatch.setenv("CHATML_NATIVE", "0")
+    native.reset()
+    assert main(["doctor", "--json"]) == 0
+    path = json.loads(capsys.readouterr().out)["float32_batch_path"]
+    assert path == f"BLAS sgemm (slower for {lo}-{hi} rows: disabled by CHATML_NATIVE=0)"
+    monkeypatch.undo()
+    native.reset()
