@@ -119,6 +119,55 @@ def test_bad_constraints_raise_naming_them(tiny):
         tiny.session().send("hi", response_format={"type": "yaml"})
 
 
+# A JSON string argument may hold the markup that ends it in the template's format.
+MARKUP_STRINGS = [
+    "a</parameter>\n<parameter=x>\nb",
+    "x\n</parameter>\n</function>\n</tool_call>\nz",
+    '"\\ \u00e9 <tool_call></think>\n',
+    "",
+]
+
+
+def _note_tool(text: str) -> list[dict]:
+    props = {"text": {"type": "string", "const": text}, "n": {"type": "integer", "const": 3}}
+    return [{"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": props, "required": ["text", "n"]}}}]  # fmt: skip
+
+
+@pytest.mark.parametrize("text", MARKUP_STRINGS)
+def test_forced_call_round_trips_a_string_holding_the_markup(tiny, text):
+    turn = tiny.chat([{"role": "user", "content": "Note."}], tools=_note_tool(text),
+                     tool_choice="required", max_tokens=80, temperature=1.0, seed=1,
+                     warm=False)  # fmt: skip
+    assert turn.tool_call_error is None, tiny.tokenizer.decode(turn.token_ids)
+    assert [(c.name, c.arguments) for c in turn.tool_calls] == [("note", {"text": text, "n": 3})]
+
+
+def test_tool_results_take_the_options_of_send(tiny):
+    chat = tiny.session("Use tools.", tools=TOOLS)
+    call = chat.send("Weather?", max_tokens=60, tool_choice="required")
+    assert call.tool_calls and chat.pending
+    before = (list(chat.tokens), [dict(m) for m in chat.pending])
+    for bad in ({"nonsense": 1}, {"response_format": {"type": "yaml"}}):
+        with pytest.raises((TypeError, ValueError)):
+            chat.send_tool_results(["sunny"], **bad)
+        assert (list(chat.tokens), chat.pending) == before  # a bad option loses nothing
+    answer = chat.send_tool_results(["sunny"], max_tokens=40, response_format=FORMAT,
+                                    logprobs=True, top_logprobs=2)  # fmt: skip
+    jsonschema.validate(json.loads(answer.text), SCHEMA)
+    assert len(answer.logprobs) == len(answer.token_ids)
+    assert [lp.token for lp in answer.logprobs] == answer.token_ids
+    assert answer.stats.reused_tokens > len(call.prompt_ids) // 2
+    # Exact under the cache: a fresh prefill of the same prompt, the same constraint.
+    sampler = Sampler(SamplingParams(), [GrammarProcessor(tiny, FORMAT)])
+    assert _fresh(tiny, answer.prompt_ids, sampler, 40) == answer.token_ids
+    # A forced call on a tool-results turn too.
+    again = tiny.session("Use tools.", tools=TOOLS)
+    again.send("Weather?", max_tokens=60, tool_choice="required")
+    second = again.send_tool_results(["sunny"], max_tokens=60, tool_choice="required")
+    assert second.tool_call_error is None and len(second.tool_calls) == 1
+
+
 # ----- through the server, with the official client ----------------------------------------
 
 

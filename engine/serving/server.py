@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..args import speculative_options
+from ..runtime import grammar
 from ..runtime.pool import DEFAULT_SEQUENCES
 from ..runtime.worker import Job
 from ..stateless import DEFAULT_MAX_TOKENS, PreparedChat, openai_message
@@ -105,6 +106,9 @@ class ServerConfig:
     responses_kept: int = responses.KEPT_RESPONSES  # for previous_response_id
     # Message arrays prefilled at start-up (--warm-prompts), before the first request.
     warm_prompts: list | None = None
+    # Build llguidance's view of the tokenizer at start-up, in the background (seconds, once
+    # per process), so that the first constrained request does not wait for it.
+    prepare_grammar: bool = True
 
 
 # ----- HTTP ---------------------------------------------------------------------------------
@@ -200,6 +204,8 @@ class ServerApp:
     async def _lifespan(self, app) -> AsyncIterator[None]:
         pool = self.worker.pool
         await anyio.to_thread.run_sync(self.engine.worker.call, pool.resize, self.config.sequences)
+        if self.config.prepare_grammar:
+            grammar.prepare(self.engine)
         if self.config.warm_prompts:
             await anyio.to_thread.run_sync(self._warm_prompts)
         try:
