@@ -491,7 +491,8 @@ class ServerApp:
             return _error(e)
         ident, model = f"cmpl-{uuid.uuid4().hex}", self.config.model
         if asked.chat.stream:
-            stream = text_completion.stream(running and running.each(), asked, ident, model)
+            stream = text_completion.stream(running and running.each(), asked, ident, model,
+                                            tokenizer, scored)  # fmt: skip
             return _Stream(stream, running and running.job, media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache"})  # fmt: skip
         echo = asked.prompt.text if asked.echo else ""
