@@ -10,14 +10,13 @@ import json
 
 import jsonschema
 import mlx.core as mx
-import openai
 import pydantic
 import pytest
+from helpers import openai_client
 
 from engine.runtime.generate import decode, prefill
 from engine.runtime.grammar import GrammarProcessor
 from engine.runtime.sampling import Sampler, SamplingParams
-from engine.serving.server import BackgroundServer, ServerConfig
 
 pytest.importorskip("llguidance")
 
@@ -171,16 +170,6 @@ def test_tool_results_take_the_options_of_send(tiny):
 # ----- through the server, with the official client ----------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(tiny):
-    with BackgroundServer(tiny, ServerConfig(port=0, context_window=4096, warm=False)) as srv:
-        yield srv
-
-
-def _client(srv) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
-
-
 def _ask(c, messages, **kw):
     kw = {"max_tokens": 48, "temperature": 0, "presence_penalty": 0, **kw}
     return c.chat.completions.create(model="tiny", messages=messages, **kw)
@@ -199,7 +188,7 @@ SCHEMAS = [
 
 
 def test_server_json_schema_and_json_object(server):
-    c = _client(server)
+    c = openai_client(server)
     for i, schema in enumerate(SCHEMAS):
         fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
         r = _ask(c, [{"role": "developer", "content": "JSON only."},
@@ -217,7 +206,7 @@ class Item(pydantic.BaseModel):
 
 
 def test_server_parse_returns_a_pydantic_object(server):
-    c = _client(server)
+    c = openai_client(server)
     r = c.beta.chat.completions.parse(
         model="tiny", messages=[{"role": "user", "content": "An item"}], response_format=Item,
         max_tokens=48, temperature=0, presence_penalty=0,
@@ -226,7 +215,7 @@ def test_server_parse_returns_a_pydantic_object(server):
 
 
 def test_server_tool_choice_and_logprobs_stream_equals_non_stream(tiny, server):
-    c = _client(server)
+    c = openai_client(server)
     r = _ask(c, [{"role": "user", "content": "Ping"}], tools=TOOLS, tool_choice="required")
     calls = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1
@@ -244,3 +233,11 @@ def test_server_tool_choice_and_logprobs_stream_equals_non_stream(tiny, server):
     assert [e.token for e in streamed] == [e.token for e in content]
     assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content))
     assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace")
+
+
+def test_server_forced_call_round_trips_a_string_holding_the_markup(server):
+    text = MARKUP_STRINGS[1]
+    r = _ask(openai_client(server), [{"role": "user", "content": "Note."}],
+             tools=_note_tool(text), tool_choice="required", max_tokens=80)  # fmt: skip
+    (call,) = r.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"text": text, "n": 3}

@@ -12,22 +12,11 @@ import mlx.core as mx
 import numpy as np
 import openai
 import pytest
-from helpers import fresh_greedy
+from helpers import SERVER_WINDOW, fresh_greedy
+from helpers import openai_client as client
 
-from engine.serving.server import BackgroundServer, ServerConfig
-
-WINDOW = 4096
+WINDOW = SERVER_WINDOW
 GREEDY = {"temperature": 0, "presence_penalty": 0}
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    with BackgroundServer(tiny, ServerConfig(port=0, context_window=WINDOW, warm=False)) as srv:
-        yield srv
-
-
-def client(srv) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def complete(c: openai.OpenAI, prompt, **kw):
