@@ -5,14 +5,16 @@ llguidance (a Rust library with Python bindings, no torch) compiles the grammar 
 model's tokenizer and, before each pick, computes the set of tokens that can continue a valid
 answer; every other logit becomes -inf. Once the answer is complete only the stop token stays
 allowed. The matcher lives on the host and advances by the tokens read, so a constrained row
-decodes one step at a time (`reads_history`).
+decodes one step at a time (`reads_history`); the mask is computed while the model computes
+the step's logits (`overlap`).
 
 With a think block open (thinking mode) the constraint starts after `</think>`: the
 reasoning is free, the answer is constrained (up to two leading newlines allowed, as the
 template puts "\\n\\n" there). JSON answers are compact: no free whitespace to pad with.
 
-Compiled grammars are cached per grammar text and tokenizer; each answer gets a copy of the
-compiled matcher (microseconds). `tool_call_spec` builds the grammar of a Qwen3.5
+llguidance's copy of the tokenizer is built once per process (seconds; `prepare` starts it
+in the background). Compiled grammars are cached per grammar text and tokenizer; each answer
+gets a copy of the compiled matcher (microseconds). `tool_call_spec` builds the grammar of a Qwen3.5
 `<tool_call>` whose arguments match the tool's JSON Schema (forced tool calls).
 """
 
@@ -237,6 +239,7 @@ class GrammarProcessor(LogitsProcessor):
     """Masks every token that cannot continue an answer matching `spec`."""
 
     reads_history = True  # the matcher advances by the tokens read on the host
+    overlap = True  # queue the step's logits before computing the mask (bench/grammar.py)
 
     def __init__(self, engine, spec: dict, *, start_after: int | None = None):
         self.llt = tokenizer_for(engine)
@@ -248,6 +251,8 @@ class GrammarProcessor(LogitsProcessor):
     def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
         if not self.active:
             return logits
+        if self.overlap:  # the model computes this step while the host computes its mask
+            mx.async_eval(logits)
         bits = np.zeros(self._words, dtype=np.int32)
         self.matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
         allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[: logits.shape[-1]]
