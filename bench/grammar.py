@@ -4,16 +4,17 @@ grammar.
 
 Run: ``chatml bench grammar [--model tiny] [--tokens 48] [--repeats 3] [--json-out FILE]``.
 Decoding uses a fresh full prefill of one short prompt per run and greedy picks; the
-constrained answer is a 400-character JSON string, so every run decodes the same number of
-tokens. The decode variants run interleaved, `--repeats` rounds, and each reports its best
-round (a loaded machine only ever slows a run down):
+constrained answer is `{"text": <a 400-character string>}`, longer than any run, and no token
+stops a run, so every run decodes the same number of tokens. The decode variants run
+interleaved, `--repeats` rounds, and each reports its best round (a loaded machine only
+ever slows a run down):
 
 - unconstrained: the pipelined loop (the next step is queued before the token is read);
 - one step at a time: a no-op processor that reads the history, so the loop waits for each
   token before building the next step (what any grammar costs before its mask);
 - all-allowed mask: the same plus a host mask of ones applied to the logits (the transfer
   and the `where`);
-- grammar_serial: llguidance's mask for the JSON string, computed after the step's logits
+- grammar_serial: llguidance's mask for that JSON, computed after the step's logits
   (its host time per token also reported);
 - grammar: the same, the mask computed while the device computes the logits (the default).
 
