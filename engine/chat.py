@@ -232,6 +232,10 @@ class Chat:
         elif getattr(args, "json", False):
             self.options["response_format"] = {"type": "json_object"}
             self.validate = _object_validator
+        if "response_format" in self.options:
+            from .runtime.grammar import prepare
+
+            prepare(engine)  # llguidance's tokenizer, built while the user types (seconds)
         if getattr(args, "max_thinking_tokens", None) is not None:
             self.options["max_thinking_tokens"] = args.max_thinking_tokens
         self.turns: list = [None] * len(session.history)  # Turns of the history's exchanges

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from inspect import signature
 
 from renderer import PromptTooLong, SegmentCache, build_prompt
 
@@ -182,21 +183,17 @@ class Session:
         low/medium/high) closes the think block after that many tokens. `logprobs` fills
         `Turn.logprobs` (the model's distribution) with `top_logprobs` alternatives.
         """
-        params = SamplingParams(
-            temperature, top_p, top_k, min_p, repetition_penalty, seed=seed,
-            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-        )  # fmt: skip
-        current = [{"role": "user", "content": text}]
-        options = _constraint_options(self.tools if tools is None else tools, response_format,
-                                      tool_choice, max_thinking_tokens, reasoning_effort,
-                                      logprobs, top_logprobs)  # fmt: skip
-        return self._turn(current, params, max_tokens, validate, ignore_eos, tools, options)
+        options = {k: v for k, v in locals().items() if k not in ("self", "text")}
+        return self._start([{"role": "user", "content": text}], **options)
 
-    def send_tool_results(self, results: Sequence, **kwargs) -> Turn:
-        return _last(self.stream_tool_results(results, **kwargs))
+    def send_tool_results(self, results: Sequence, **options) -> Turn:
+        """Answer the last turn's tool calls; returns the Turn (`stream_tool_results`)."""
+        return _last(self.stream_tool_results(results, **options))
 
-    def stream_tool_results(self, results: Sequence, **kwargs) -> Iterator[str | Turn]:
-        """Answer the last turn's tool calls (strings, or dicts with `content`); continues the turn."""
+    def stream_tool_results(self, results: Sequence, **options) -> Iterator[str | Turn]:
+        """Answer the last turn's tool calls (strings, or dicts with `content`); continues the
+        turn. Takes every option of `stream` (a TypeError names any other)."""
+        signature(Session.stream).bind(self, "", **options)
         self._check_idle()
         if not self.pending:
             raise ValueError("no tool calls are waiting for results")
@@ -209,11 +206,18 @@ class Session:
             if not isinstance(r, dict) or not isinstance(r.get("content"), str):
                 raise ValueError(f"results[{i}] must be a string or a dict with string 'content'")
             tool_msgs.append({"role": "tool", **r})
-        params = _params(kwargs)
-        return self._turn(
-            self.pending + tool_msgs, params, kwargs.get("max_tokens"), kwargs.get("validate"),
-            kwargs.get("ignore_eos", False), None,
-        )  # fmt: skip
+        return self._start(self.pending + tool_msgs, **options)
+
+    def _start(self, current: list[dict], *, tools=None, validate=None, ignore_eos=False,
+               max_tokens=None, response_format=None, tool_choice=None,
+               max_thinking_tokens=None, reasoning_effort=None, logprobs=False,
+               top_logprobs=0, **sampling) -> Iterator[str | Turn]:  # fmt: skip
+        """The turn that adds `current` to the conversation, with `stream`'s options."""
+        params = SamplingParams(**sampling)
+        options = _constraint_options(self.tools if tools is None else tools, response_format,
+                                      tool_choice, max_thinking_tokens, reasoning_effort,
+                                      logprobs, top_logprobs)  # fmt: skip
+        return self._turn(current, params, max_tokens, validate, ignore_eos, tools, options)
 
     def regenerate(self, **kwargs) -> Turn:
         """Answer the last question again (rolls back to before it; restored on failure)."""
@@ -483,15 +487,6 @@ def _constraint_options(tools, response_format, tool_choice, max_thinking_tokens
     budget = thinking_budget(max_thinking_tokens, reasoning_effort)
     top = top_logprobs if logprobs else None
     return {"format": fmt, "forced": forced, "budget": budget, "top": top}
-
-
-def _params(kwargs: dict) -> SamplingParams:
-    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-             "presence_penalty", "frequency_penalty")  # fmt: skip
-    unknown = set(kwargs) - set(names) - {"max_tokens", "validate", "ignore_eos"}
-    if unknown:
-        raise TypeError(f"unexpected option {sorted(unknown)[0]!r}")
-    return SamplingParams(**{k: kwargs[k] for k in names if k in kwargs})
 
 
 def _last(stream: Iterator):

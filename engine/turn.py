@@ -96,9 +96,12 @@ def make_turn(prompt, raw: str, progress, t0: float, *, cache_bytes: int, warm_t
                 calls, error, logprobs)  # fmt: skip
 
 
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
-_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
-_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
+_PARAM = re.compile(r"\s*<parameter=([^>\n]+)>\n?")
+_JSON_END = re.compile(r"\s*</parameter>")
+_CALL_END = re.compile(r"\s*</function>\s*</tool_call>")
+_SPACE = re.compile(r"\s*")
+_JSON = json.JSONDecoder()
 
 
 def split_reasoning(raw: str, thinking: bool) -> tuple[str | None, str]:
@@ -114,27 +117,53 @@ def split_reasoning(raw: str, thinking: bool) -> tuple[str | None, str]:
 def parse_tool_calls(answer: str) -> tuple[str, list[ToolCall], str | None]:
     """Split the template's XML tool calls off an answer: (content, calls, error).
 
-    Malformed markup is reported, not guessed at: no calls, the whole answer kept as content.
+    Read in order, not by searching for closing tags: a value that parses as JSON ends where
+    the JSON ends, so a JSON string argument (what a forced call writes) may contain
+    `</parameter>`, `</function>` or `</tool_call>`. Any other value is a plain string up to
+    the first `</parameter>` (as the template writes strings). Malformed markup is reported,
+    not guessed at: no calls, the whole answer kept as content.
     """
     start = answer.find("<tool_call>")
     if start < 0:
         return answer, [], None
-    calls = []
-    blocks = _CALL.findall(answer[start:])
-    if not blocks or _CALL.sub("", answer[start:]).strip():
-        return answer, [], "unterminated <tool_call> block or stray text around it"
-    for i, block in enumerate(blocks):
-        m = _FUNCTION.fullmatch(block)
-        if not m:
-            return answer, [], f"tool call {i}: expected <function=NAME>...</function>"
-        name, body = m.group(1).strip(), m.group(2)
-        if _PARAM.sub("", body).strip():
-            return answer, [], f"tool call {i} ({name}): text outside <parameter> blocks"
-        args = {}
-        for key, value in _PARAM.findall(body):
-            try:
-                args[key.strip()] = json.loads(value)
-            except json.JSONDecodeError:
-                args[key.strip()] = value  # a plain string argument
-        calls.append(ToolCall(name, args))
+    calls, pos = [], start
+    while pos < len(answer):
+        if not answer.startswith("<tool_call>", pos):
+            return answer, [], "unterminated <tool_call> block or stray text around it"
+        call, pos = _read_call(answer, pos + len("<tool_call>"), len(calls))
+        if isinstance(call, str):
+            return answer, [], call
+        calls.append(call)
+        pos = _SPACE.match(answer, pos).end()
     return answer[:start].strip(), calls, None
+
+
+def _read_call(text: str, pos: int, i: int) -> tuple[ToolCall | str, int]:
+    """The call whose `<tool_call>` ends at `pos`, and where it ends; an error string instead
+    of the call if it is malformed."""
+    m = _FUNCTION.match(text, pos)
+    if not m:
+        return f"tool call {i}: expected <function=NAME>...</function>", pos
+    name, pos, args = m.group(1).strip(), m.end(), {}
+    while not (end := _CALL_END.match(text, pos)):
+        m = _PARAM.match(text, pos)
+        if not m:
+            if "</tool_call>" not in text[pos:]:
+                return "unterminated <tool_call> block or stray text around it", pos
+            return f"tool call {i} ({name}): text outside <parameter> blocks", pos
+        key, pos = m.group(1).strip(), m.end()
+        try:
+            value, after = _JSON.raw_decode(text, _SPACE.match(text, pos).end())
+            close = _JSON_END.match(text, after)
+        except json.JSONDecodeError:
+            close = None
+        if close is None:  # a plain string, up to the first </parameter>
+            close_at = text.find("</parameter>", pos)
+            if close_at < 0:
+                return "unterminated <tool_call> block or stray text around it", pos
+            value = text[pos:close_at].removesuffix("\n")
+            pos = close_at + len("</parameter>")
+        else:
+            pos = close.end()
+        args[key] = value
+    return ToolCall(name, args), end.end()

@@ -27,6 +27,20 @@ def native_kernels():
     native.module()
 
 
+@pytest.fixture(scope="module")
+def server(tiny):
+    """A live server on `tiny` per test module (context window `helpers.SERVER_WINDOW`). No
+    idle-time warm-up, so reuse is what each request itself found (deterministic); no
+    grammar tokenizer built at start-up (a module that needs it builds it once, on use)."""
+    from helpers import SERVER_WINDOW
+
+    from engine.serving.server import BackgroundServer, ServerConfig
+
+    config = ServerConfig(port=0, context_window=SERVER_WINDOW, warm=False, prepare_grammar=False)
+    with BackgroundServer(tiny, config) as srv:
+        yield srv
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """The embedded `tiny` engine, float32, loaded once per run."""

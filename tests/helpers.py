@@ -1,8 +1,11 @@
-"""Shared test helpers: questions for scripted chats and the fresh-prefill reference."""
+"""Shared test helpers: questions for scripted chats, the fresh-prefill reference, the
+server tests' client."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+
+SERVER_WINDOW = 4096  # the `server` fixture's context window (small: too-long checks are cheap)
 
 QUESTIONS = [
     "Hello! My order number is 48213.", "你好，今天天气怎么样？", "Tell me a story about a fox.",
@@ -25,3 +28,10 @@ def fresh_greedy(eng, ids, max_tokens=5):
         if len(out) < max_tokens:
             logits = eng.model(mx.array([[token]]), caches)[0, -1]
     return out, first
+
+
+def openai_client(srv, key: str = "unused"):
+    """The official OpenAI client on a BackgroundServer (no retries: a failure shows)."""
+    import openai
+
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=60)

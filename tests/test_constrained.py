@@ -10,14 +10,13 @@ import json
 
 import jsonschema
 import mlx.core as mx
-import openai
 import pydantic
 import pytest
+from helpers import openai_client
 
 from engine.runtime.generate import decode, prefill
 from engine.runtime.grammar import GrammarProcessor
 from engine.runtime.sampling import Sampler, SamplingParams
-from engine.serving.server import BackgroundServer, ServerConfig
 
 pytest.importorskip("llguidance")
 
@@ -119,17 +118,56 @@ def test_bad_constraints_raise_naming_them(tiny):
         tiny.session().send("hi", response_format={"type": "yaml"})
 
 
+# A JSON string argument may hold the markup that ends it in the template's format.
+MARKUP_STRINGS = [
+    "a</parameter>\n<parameter=x>\nb",
+    "x\n</parameter>\n</function>\n</tool_call>\nz",
+    '"\\ \u00e9 <tool_call></think>\n',
+    "",
+]
+
+
+def _note_tool(text: str) -> list[dict]:
+    props = {"text": {"type": "string", "const": text}, "n": {"type": "integer", "const": 3}}
+    return [{"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": props, "required": ["text", "n"]}}}]  # fmt: skip
+
+
+@pytest.mark.parametrize("text", MARKUP_STRINGS)
+def test_forced_call_round_trips_a_string_holding_the_markup(tiny, text):
+    turn = tiny.chat([{"role": "user", "content": "Note."}], tools=_note_tool(text),
+                     tool_choice="required", max_tokens=80, temperature=1.0, seed=1,
+                     warm=False)  # fmt: skip
+    assert turn.tool_call_error is None, tiny.tokenizer.decode(turn.token_ids)
+    assert [(c.name, c.arguments) for c in turn.tool_calls] == [("note", {"text": text, "n": 3})]
+
+
+def test_tool_results_take_the_options_of_send(tiny):
+    chat = tiny.session("Use tools.", tools=TOOLS)
+    call = chat.send("Weather?", max_tokens=60, tool_choice="required")
+    assert call.tool_calls and chat.pending
+    before = (list(chat.tokens), [dict(m) for m in chat.pending])
+    for bad in ({"nonsense": 1}, {"response_format": {"type": "yaml"}}):
+        with pytest.raises((TypeError, ValueError)):
+            chat.send_tool_results(["sunny"], **bad)
+        assert (list(chat.tokens), chat.pending) == before  # a bad option loses nothing
+    answer = chat.send_tool_results(["sunny"], max_tokens=40, response_format=FORMAT,
+                                    logprobs=True, top_logprobs=2)  # fmt: skip
+    jsonschema.validate(json.loads(answer.text), SCHEMA)
+    assert len(answer.logprobs) == len(answer.token_ids)
+    assert [lp.token for lp in answer.logprobs] == answer.token_ids
+    assert answer.stats.reused_tokens > len(call.prompt_ids) // 2
+    # Exact under the cache: a fresh prefill of the same prompt, the same constraint.
+    sampler = Sampler(SamplingParams(), [GrammarProcessor(tiny, FORMAT)])
+    assert _fresh(tiny, answer.prompt_ids, sampler, 40) == answer.token_ids
+    # A forced call on a tool-results turn too.
+    again = tiny.session("Use tools.", tools=TOOLS)
+    again.send("Weather?", max_tokens=60, tool_choice="required")
+    second = again.send_tool_results(["sunny"], max_tokens=60, tool_choice="required")
+    assert second.tool_call_error is None and len(second.tool_calls) == 1
+
+
 # ----- through the server, with the official client ----------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    with BackgroundServer(tiny, ServerConfig(port=0, context_window=4096, warm=False)) as srv:
-        yield srv
-
-
-def _client(srv) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
 
 
 def _ask(c, messages, **kw):
@@ -150,7 +188,7 @@ SCHEMAS = [
 
 
 def test_server_json_schema_and_json_object(server):
-    c = _client(server)
+    c = openai_client(server)
     for i, schema in enumerate(SCHEMAS):
         fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
         r = _ask(c, [{"role": "developer", "content": "JSON only."},
@@ -168,7 +206,7 @@ class Item(pydantic.BaseModel):
 
 
 def test_server_parse_returns_a_pydantic_object(server):
-    c = _client(server)
+    c = openai_client(server)
     r = c.beta.chat.completions.parse(
         model="tiny", messages=[{"role": "user", "content": "An item"}], response_format=Item,
         max_tokens=48, temperature=0, presence_penalty=0,
@@ -177,7 +215,7 @@ def test_server_parse_returns_a_pydantic_object(server):
 
 
 def test_server_tool_choice_and_logprobs_stream_equals_non_stream(tiny, server):
-    c = _client(server)
+    c = openai_client(server)
     r = _ask(c, [{"role": "user", "content": "Ping"}], tools=TOOLS, tool_choice="required")
     calls = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1
@@ -195,3 +233,11 @@ def test_server_tool_choice_and_logprobs_stream_equals_non_stream(tiny, server):
     assert [e.token for e in streamed] == [e.token for e in content]
     assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content))
     assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace")
+
+
+def test_server_forced_call_round_trips_a_string_holding_the_markup(server):
+    text = MARKUP_STRINGS[1]
+    r = _ask(openai_client(server), [{"role": "user", "content": "Note."}],
+             tools=_note_tool(text), tool_choice="required", max_tokens=80)  # fmt: skip
+    (call,) = r.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"text": text, "n": 3}

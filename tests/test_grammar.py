@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
+import types
 
 import jsonschema
 import pytest
 
+from engine.runtime import grammar
 from engine.runtime.generate import decode, prefill
 from engine.runtime.grammar import GrammarError, GrammarProcessor
 from engine.runtime.sampling import Sampler, SamplingParams
@@ -107,3 +110,102 @@ def test_the_constraint_waits_for_the_think_block_to_close(tiny):
 def test_bad_constraints_are_named(tiny, spec):
     with pytest.raises(GrammarError):
         GrammarProcessor(tiny, spec)
+
+
+# ----- llguidance's view of the tokenizer: built once, shared, ready before it is needed --
+
+
+def test_llguidance_sees_the_engines_tokens(tiny):
+    """Its tokens decode to what the engine's tokenizer decodes; text it tokenizes (the bytes
+    a grammar forces) never becomes an added token such as `</tool_call>`."""
+    llt = grammar.tokenizer_for(tiny)
+    tok = tiny.tokenizer
+    text = "Héllo, 世界! <tool_call> x</tool_call>\n\t</think> 3.14 🙂"
+    ids = tok.encode(text)  # the engine's own encoding (added tokens as single ids)
+    assert tok.token_id("</tool_call>") in ids
+    assert llt.decode_bytes(ids).decode() == tok.decode(ids) == text
+    added = set(tok.backend.get_added_tokens_decoder())
+    assert all(llt.decode_bytes([i]).decode() == tok.decode([i]) for i in added)
+    forced = llt.tokenize_str(text)
+    assert not added & set(forced) and tok.decode(forced) == text
+
+
+def test_the_tokenizer_is_built_once_and_shared(tiny, tiny_sequential):
+    assert tiny_sequential.path == tiny.path
+    assert grammar.tokenizer_for(tiny) is grammar.tokenizer_for(tiny_sequential)
+
+
+class _Watched(threading.Event):
+    """A build's `done` event that says when someone starts waiting on it unfinished."""
+
+    waiting = threading.Event()
+
+    def wait(self, timeout=None):
+        if not self.is_set():
+            _Watched.waiting.set()
+        return super().wait(timeout)
+
+
+class _WatchedBuild(grammar._Build):
+    def __init__(self) -> None:
+        super().__init__()
+        self.done = _Watched()
+
+
+def test_a_request_waits_for_the_background_build_instead_of_rebuilding(tiny, monkeypatch,
+                                                                         tmp_path):  # fmt: skip
+    fake = types.SimpleNamespace(path=str(tmp_path), model=tiny.model, stop_ids=tiny.stop_ids,
+                                 tokenizer=tiny.tokenizer)  # fmt: skip
+    started, release, calls = threading.Event(), threading.Event(), []
+
+    def make(tokenizer, vocab, eos):
+        if calls:  # a second build (the bug): let the test go on to fail on `calls`
+            _Watched.waiting.set()
+        calls.append(vocab)
+        started.set()
+        release.wait()
+        return object()
+
+    monkeypatch.setattr(grammar, "_make_tokenizer", make)
+    monkeypatch.setattr(grammar, "_Build", _WatchedBuild)
+    builder = grammar.prepare(fake)
+    started.wait()
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(grammar.tokenizer_for(fake)))
+    waiter.start()
+    try:
+        _Watched.waiting.wait()  # the request is blocked on the build's event...
+        assert calls == [tiny.model.arch.vocab_size] and not got  # ...and built nothing itself
+    finally:
+        release.set()
+    builder.join()
+    waiter.join()
+    assert got == [grammar.tokenizer_for(fake)] and len(calls) == 1
+
+
+def test_a_failed_build_is_raised_and_retried(tiny, monkeypatch, tmp_path):
+    fake = types.SimpleNamespace(path=str(tmp_path), model=tiny.model, stop_ids=tiny.stop_ids,
+                                 tokenizer=tiny.tokenizer)  # fmt: skip
+    outcomes = [RuntimeError("no tokenizer"), "built"]
+
+    def make(*_):
+        out = outcomes.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    monkeypatch.setattr(grammar, "_make_tokenizer", make)
+    with pytest.raises(RuntimeError, match="no tokenizer"):
+        grammar.tokenizer_for(fake)
+    assert grammar.tokenizer_for(fake) == "built" and not outcomes
+
+
+@pytest.mark.parametrize("prepare", [True, False])
+def test_the_server_starts_the_build_at_start_up(tiny, monkeypatch, prepare):
+    from engine.serving.server import BackgroundServer, ServerConfig
+
+    started = []
+    monkeypatch.setattr(grammar, "prepare", started.append)
+    config = ServerConfig(port=0, warm=False, prepare_grammar=prepare)
+    with BackgroundServer(tiny, config):
+        assert started == ([tiny] if prepare else [])

@@ -13,6 +13,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from helpers import SERVER_WINDOW
 from test_server import fresh_answer, prompt_of
 
 from engine.serving import messages as api
@@ -20,7 +21,7 @@ from engine.serving.completion import parse_request
 from engine.serving.server import BackgroundServer, ServerConfig
 from engine.turn import ToolCall, Turn, TurnStats
 
-WINDOW = 4096
+WINDOW = SERVER_WINDOW
 MAX_TOKENS = 5
 GREEDY = {"temperature": 0, "presence_penalty": 0}  # not in the client's signature: extra_body
 TOOLS = [{"name": "get_weather", "description": "Weather for a city.",
@@ -28,12 +29,6 @@ TOOLS = [{"name": "get_weather", "description": "Weather for a city.",
                            "required": ["city"]}}]  # fmt: skip
 CHAT_TOOLS = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
                                                  "parameters": t["input_schema"]}} for t in TOOLS]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    with BackgroundServer(tiny, ServerConfig(port=0, context_window=WINDOW, warm=False)) as srv:
-        yield srv
 
 
 def client(srv, key: str = "unused") -> anthropic.Anthropic:

@@ -12,31 +12,22 @@ import json
 import httpx
 import openai
 import pytest
+from helpers import SERVER_WINDOW
+from helpers import openai_client as client
 from test_server import fresh_answer, prompt_of
 
 from engine.serving import responses as api
 from engine.serving.completion import parse_request
-from engine.serving.server import BackgroundServer, ServerConfig
 from engine.serving.translation import Origins
 from engine.turn import ToolCall, Turn, TurnStats
 
-WINDOW = 4096
+WINDOW = SERVER_WINDOW
 MAX_TOKENS = 5
 GREEDY = {"temperature": 0, "extra_body": {"presence_penalty": 0}}
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather for a city.",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}  # fmt: skip
 CHAT_TOOL = {"type": "function", "function": {k: TOOL[k] for k in ("name", "description",
                                                                    "parameters")}}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    with BackgroundServer(tiny, ServerConfig(port=0, context_window=WINDOW, warm=False)) as srv:
-        yield srv
-
-
-def client(srv) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def ask(c: openai.OpenAI, **kw):

@@ -13,6 +13,8 @@ import time
 import httpx
 import openai
 import pytest
+from helpers import SERVER_WINDOW
+from helpers import openai_client as client
 
 from engine.checkpoints.tokenizer import StreamDecoder
 from engine.runtime.generate import decode, prefill
@@ -20,19 +22,8 @@ from engine.runtime.sampling import Sampler, SamplingParams
 from engine.serving.completion import OutputText, Renderer, parse_request
 from engine.serving.server import BackgroundServer, ServerConfig
 
-WINDOW = 4096  # a small context window keeps the too-long-prompt check cheap
+WINDOW = SERVER_WINDOW  # a small context window keeps the too-long-prompt check cheap
 MAX_TOKENS = 6  # decoding dominates test time (~40 ms a token on 2 busy cores)
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    # No idle-time warm-up here, so reuse is what the request itself found (deterministic).
-    with BackgroundServer(tiny, ServerConfig(port=0, context_window=WINDOW, warm=False)) as srv:
-        yield srv
-
-
-def client(srv, key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
 def ask(c: openai.OpenAI, messages: list, **kw):

@@ -17,6 +17,7 @@ import threading
 import httpx
 import mlx.core as mx
 import pytest
+from helpers import SERVER_WINDOW
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,14 +26,8 @@ from engine.runtime.sampling import Sampler
 from engine.serving.completion import ApiError, Renderer, output_budget, parse_request, prepare
 from engine.serving.server import BackgroundServer, ServerConfig, create_app, resolve_api_key
 
-WINDOW = 4096
+WINDOW = SERVER_WINDOW
 USER = {"role": "user", "content": "hi"}
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    with BackgroundServer(tiny, ServerConfig(port=0, context_window=WINDOW, warm=False)) as srv:
-        yield srv
 
 
 def post_raw(srv, raw: bytes | str, timeout: float = 60) -> httpx.Response:

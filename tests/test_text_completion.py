@@ -12,22 +12,11 @@ import mlx.core as mx
 import numpy as np
 import openai
 import pytest
-from helpers import fresh_greedy
+from helpers import SERVER_WINDOW, fresh_greedy
+from helpers import openai_client as client
 
-from engine.serving.server import BackgroundServer, ServerConfig
-
-WINDOW = 4096
+WINDOW = SERVER_WINDOW
 GREEDY = {"temperature": 0, "presence_penalty": 0}
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    with BackgroundServer(tiny, ServerConfig(port=0, context_window=WINDOW, warm=False)) as srv:
-        yield srv
-
-
-def client(srv) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def complete(c: openai.OpenAI, prompt, **kw):
@@ -119,6 +108,32 @@ def test_generated_logprobs_equal_a_teacher_forced_forward_pass(tiny, server):
         best = np.argsort(-lp[row])[:2]
         assert list(alternatives) == [tiny.tokenizer.decode([int(i)]) for i in best]
     assert got.text_offset == [len(tiny.tokenizer.decode(generated[:i])) for i in range(5)]
+
+
+def _joined(chunks) -> dict:
+    """The streamed chunks' legacy logprobs lists, concatenated."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for ch in chunks:
+        if ch.choices and ch.choices[0].logprobs is not None:
+            for k in out:
+                out[k] += getattr(ch.choices[0].logprobs, k) or []
+    return out
+
+
+@pytest.mark.parametrize("kw", [{"max_tokens": 6, "logprobs": 2},
+                                {"max_tokens": 0, "echo": True, "logprobs": 1}])  # fmt: skip
+def test_streamed_logprobs_concatenate_to_the_whole_answers(tiny, server, kw):
+    c = client(server)
+    prompt = "Streaming: alpha, beta,"
+    whole = complete(c, prompt, **kw).choices[0]
+    chunks = list(complete(c, prompt, stream=True, **kw))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.text
+    got, ref = _joined(chunks), whole.logprobs
+    assert got["tokens"] == ref.tokens and got["text_offset"] == ref.text_offset
+    assert len(got["token_logprobs"]) == len(ref.token_logprobs) > 0
+    for a, b in zip(got["token_logprobs"], ref.token_logprobs):  # the second call reuses the cache
+        assert (a is None and b is None) or abs(a - b) < 1e-4
+    assert [list(t or {}) for t in got["top_logprobs"]] == [list(t or {}) for t in ref.top_logprobs]
 
 
 @pytest.mark.parametrize(

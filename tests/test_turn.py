@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import pytest
 
@@ -122,6 +124,21 @@ def test_parse_tool_calls_nested_arguments():
         "query": "qwen 3.5",
         "filters": {"year": [2025, 2026], "lang": "zh"},
     }
+
+
+def test_json_arguments_may_hold_the_closing_markup():
+    # What a forced call writes: each value compact JSON, strings quoted.
+    args = {"text": "x\n</parameter>\n</function>\n</tool_call>\n<tool_call>",
+            "obj": {"k": ["</parameter>", 1.5, None]}, "n": 3, "q": 'say "</function>"'}  # fmt: skip
+    body = "".join(f"<parameter={k}>\n{json.dumps(v)}\n</parameter>\n" for k, v in args.items())
+    call = f"<tool_call>\n<function=f>\n{body}</function>\n</tool_call>"
+    content, calls, err = parse_tool_calls("Sure.\n" + call + "\n" + call)
+    assert (content, err) == ("Sure.", None)
+    assert [(c.name, c.arguments) for c in calls] == [("f", args), ("f", args)]
+    # A plain (unquoted) string still ends at the first </parameter>, as the template writes.
+    plain = ("<tool_call>\n<function=f>\n<parameter=a>\n[1, 2] and more\n</parameter>\n"
+             "</function>\n</tool_call>")  # fmt: skip
+    assert parse_tool_calls(plain)[1][0].arguments == {"a": "[1, 2] and more"}
 
 
 @pytest.mark.parametrize(

@@ -5,20 +5,25 @@ llguidance (a Rust library with Python bindings, no torch) compiles the grammar 
 model's tokenizer and, before each pick, computes the set of tokens that can continue a valid
 answer; every other logit becomes -inf. Once the answer is complete only the stop token stays
 allowed. The matcher lives on the host and advances by the tokens read, so a constrained row
-decodes one step at a time (`reads_history`).
+decodes one step at a time (`reads_history`); the mask is computed while the model computes
+the step's logits (`overlap`).
 
 With a think block open (thinking mode) the constraint starts after `</think>`: the
 reasoning is free, the answer is constrained (up to two leading newlines allowed, as the
 template puts "\\n\\n" there). JSON answers are compact: no free whitespace to pad with.
 
-Compiled grammars are cached per grammar text and tokenizer; each answer gets a copy of the
-compiled matcher (microseconds). `tool_call_spec` builds the grammar of a Qwen3.5
+llguidance's copy of the tokenizer is built once per process (seconds; `prepare` starts it
+in the background). Compiled grammars are cached per grammar text and tokenizer; each answer
+gets a copy of the compiled matcher (microseconds). `tool_call_spec` builds the grammar of a Qwen3.5
 `<tool_call>` whose arguments match the tool's JSON Schema (forced tool calls).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
+import threading
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -27,6 +32,8 @@ import mlx.core as mx
 import numpy as np
 
 from .sampling import LogitsProcessor
+
+log = logging.getLogger(__name__)
 
 
 class GrammarError(ValueError):
@@ -77,17 +84,111 @@ def _lark(text: str) -> str:
     return llguidance.LLMatcher.grammar_from_lark(text)
 
 
-@lru_cache(maxsize=4)
-def _tokenizer(path: str, vocab: int, eos: tuple[int, ...]):
-    import llguidance
+class _Build:
+    """One llguidance tokenizer, built once: later callers wait on `done`."""
 
-    return llguidance.LLTokenizer(path, n_vocab=vocab, eos_token=list(eos))
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value = None
+        self.error: BaseException | None = None
+
+
+_builds: dict[tuple, _Build] = {}
+_builds_lock = threading.Lock()
 
 
 def tokenizer_for(engine):
-    """The engine's tokenizer as llguidance sees it (built once per tokenizer file: seconds)."""
-    path = str(Path(engine.path) / "tokenizer.json")
-    return _tokenizer(path, engine.model.arch.vocab_size, tuple(engine.stop_ids))
+    """The engine's tokenizer as llguidance sees it, shared by every engine on the same
+    tokenizer file. Built once per process (seconds): the first caller builds it, any other
+    caller waits for that build (`prepare` starts it in the background at start-up)."""
+    key = (str(Path(engine.path) / "tokenizer.json"), engine.model.arch.vocab_size,
+           tuple(engine.stop_ids))  # fmt: skip
+    with _builds_lock:
+        build = _builds.get(key)
+        mine = build is None
+        if mine:
+            build = _builds[key] = _Build()
+    if mine:
+        try:
+            build.value = _make_tokenizer(engine.tokenizer, *key[1:])
+        except BaseException as e:
+            build.error = e
+            with _builds_lock:
+                del _builds[key]  # a later call tries again
+        finally:
+            build.done.set()
+    build.done.wait()
+    if build.error is not None:
+        raise build.error
+    return build.value
+
+
+def prepare(engine) -> threading.Thread | None:
+    """Start building `engine`'s llguidance tokenizer in a background thread (server start,
+    `chatml chat --json*`), so that the first constrained request finds it ready; None if
+    llguidance is not installed. The build holds the GIL while it runs (a few seconds)."""
+    if importlib.util.find_spec("llguidance") is None:
+        return None
+
+    def build() -> None:
+        try:
+            tokenizer_for(engine)
+        except Exception:  # the request that needs it raises it again (a fresh build)
+            log.exception("building llguidance's tokenizer failed")
+
+    thread = threading.Thread(target=build, name="llguidance-tokenizer", daemon=True)
+    thread.start()
+    return thread
+
+
+def _make_tokenizer(tokenizer, vocab: int, eos: tuple[int, ...]):
+    """llguidance's tokenizer over the engine's vocabulary.
+
+    llguidance keeps every added token (`<tool_call>`, `</think>`...) apart from text, so the
+    text it tokenizes (the bytes a grammar forces) must never become one either: it gets the
+    tokenizer's BPE without the added-token split, where `</tool_call>` written in a JSON
+    string is ordinary text (else it picks the `</tool_call>` token there, which its own
+    matcher then rejects). No normalizer: llguidance needs tokens that decode to the bytes
+    it asked for.
+    """
+    import llguidance
+
+    backend = tokenizer.backend
+    if type(backend.decoder).__name__ != "ByteLevel":  # not Qwen's byte-level BPE
+        return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab, eos_token=list(eos))
+    table = _byte_level_table()
+    tokens = [b""] * vocab
+    for text, i in backend.get_vocab(with_added_tokens=False).items():
+        tokens[i] = text.translate(table).encode("latin-1")
+    added = backend.get_added_tokens_decoder()
+    for i, token in added.items():
+        tokens[i] = token.content.encode()
+
+    class Words:  # what llguidance.TokenizerWrapper reads
+        eos_token_id, bos_token_id = eos[0], None
+        special_token_ids = sorted(added)
+
+        def __init__(self) -> None:
+            self.tokens = tokens
+
+        def __call__(self, text: str) -> list[int]:
+            pieces = backend.pre_tokenizer.pre_tokenize_str(text)
+            return [t.id for piece, _ in pieces for t in backend.model.tokenize(piece)]
+
+    wrapper = llguidance.TokenizerWrapper(Words())
+    return llguidance.LLTokenizer(wrapper, n_vocab=vocab, eos_token=list(eos))
+
+
+@lru_cache(maxsize=1)
+def _byte_level_table() -> dict[int, int]:
+    """GPT-2's byte-level alphabet back to bytes: code point of each symbol -> the byte
+    (as a latin-1 code point) it stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    table = {b: b for b in printable}
+    others = [b for b in range(256) if b not in table]
+    table.update({256 + n: b for n, b in enumerate(others)})
+    return table
 
 
 @lru_cache(maxsize=64)
@@ -138,6 +239,7 @@ class GrammarProcessor(LogitsProcessor):
     """Masks every token that cannot continue an answer matching `spec`."""
 
     reads_history = True  # the matcher advances by the tokens read on the host
+    overlap = True  # queue the step's logits before computing the mask (bench/grammar.py)
 
     def __init__(self, engine, spec: dict, *, start_after: int | None = None):
         self.llt = tokenizer_for(engine)
@@ -149,6 +251,8 @@ class GrammarProcessor(LogitsProcessor):
     def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
         if not self.active:
             return logits
+        if self.overlap:  # the model computes this step while the host computes its mask
+            mx.async_eval(logits)
         bits = np.zeros(self._words, dtype=np.int32)
         self.matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
         allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[: logits.shape[-1]]

@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..args import speculative_options
+from ..runtime import grammar
 from ..runtime.batch import DEFAULT_MAX_BATCH
 from ..runtime.pool import DEFAULT_SEQUENCES
 from ..runtime.worker import Job
@@ -106,6 +107,9 @@ class ServerConfig:
     responses_kept: int = responses.KEPT_RESPONSES  # for previous_response_id
     # Message arrays prefilled at start-up (--warm-prompts), before the first request.
     warm_prompts: list | None = None
+    # Build llguidance's view of the tokenizer at start-up, in the background (seconds, once
+    # per process), so that the first constrained request does not wait for it.
+    prepare_grammar: bool = True
 
 
 # ----- HTTP ---------------------------------------------------------------------------------
@@ -201,6 +205,8 @@ class ServerApp:
     async def _lifespan(self, app) -> AsyncIterator[None]:
         pool = self.worker.pool
         await anyio.to_thread.run_sync(self.engine.worker.call, pool.resize, self.config.sequences)
+        if self.config.prepare_grammar:
+            grammar.prepare(self.engine)
         if self.config.warm_prompts:
             await anyio.to_thread.run_sync(self._warm_prompts)
         try:
@@ -486,7 +492,8 @@ class ServerApp:
             return _error(e)
         ident, model = f"cmpl-{uuid.uuid4().hex}", self.config.model
         if asked.chat.stream:
-            stream = text_completion.stream(running and running.each(), asked, ident, model)
+            stream = text_completion.stream(running and running.each(), asked, ident, model,
+                                            tokenizer, scored)  # fmt: skip
             return _Stream(stream, running and running.job, media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache"})  # fmt: skip
         echo = asked.prompt.text if asked.echo else ""

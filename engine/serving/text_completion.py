@@ -6,7 +6,8 @@ are routed through the same pool as chat prompts, so a prompt that extends an ea
 Special tokens written in a string prompt are control tokens (raw mode: the caller formats).
 `logprobs` with `echo` and `max_tokens: 0` scores the prompt: one forward pass over it, the
 log-softmax at each position read at the next token (what evaluation harnesses ask for).
-Logprobs of generated tokens are not supported yet (a 400 says so).
+Without echo, `logprobs` reports the generated tokens' (streamed: each chunk carries those of
+the tokens it covers).
 """
 
 from __future__ import annotations
@@ -89,8 +90,6 @@ def translate(body: Any, tokenizer, window: int, defaults: Mapping | None = None
     if logprobs is not None and echo and max_tokens != 0:
         raise bad("'logprobs' with echo scores the prompt alone: set max_tokens to 0, or ask "
                   "for the generated tokens' logprobs without echo", "logprobs", "unsupported")  # fmt: skip
-    if logprobs is not None and body.get("stream"):
-        raise bad("'logprobs' is not supported with stream", "logprobs", "unsupported")
     origins = Origins({"messages": "prompt"})
     chat: dict = {"messages": [{"role": "user", "content": ""}], **sampling_fields(body)}
     for name in ("stop", "stream", "stream_options", "n"):
@@ -171,9 +170,35 @@ def logprobs_body(tokenizer, ids: list[int], scored: list, top: int, *, unscored
 def generated_logprobs_body(tokenizer, turn: Turn, top: int) -> dict:
     """The legacy `logprobs` object of a completion's generated tokens (the model's own
     distribution, as the chat endpoint reports it: see `runtime.sampling`)."""
-    lps = turn.logprobs or []
-    scored = [(lp.logprob, lp.top) for lp in lps]
-    return logprobs_body(tokenizer, [lp.token for lp in lps], scored, top, unscored=0)
+    stream = StreamedLogprobs(tokenizer, top)
+    stream.add(turn.logprobs or [])
+    return stream.body()
+
+
+class StreamedLogprobs:
+    """The generated tokens' `logprobs` objects, chunk by chunk: `add` TokenLogprobs as they
+    come, `body()` those not sent yet. Offsets count from the completion's first character, so
+    the chunks' lists concatenate to the whole completion's object."""
+
+    def __init__(self, tokenizer, top: int):
+        self.tokenizer, self.top = tokenizer, top
+        self.detok, self.chars = StreamDecoder(tokenizer), 0
+        self.pending: list = []
+
+    def add(self, entries) -> None:
+        self.pending += entries
+
+    def body(self) -> dict:
+        dec = self.tokenizer.decode
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in self.pending:
+            out["tokens"].append(dec([lp.token]))
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append({dec([i]): v for i, v in lp.top} if self.top else None)
+            out["text_offset"].append(self.chars)
+            self.chars += len(self.detok.add(lp.token))
+        self.pending = []
+        return out
 
 
 # ----- the answer ---------------------------------------------------------------------------
@@ -195,9 +220,9 @@ def completion(ident: str, created: int, model: str, text: str, finish: str, usa
 
 
 def _chunk(ident: str, created: int, model: str, text: str, finish: str | None = None,
-           usage: dict | None = None) -> str:  # fmt: skip
+           usage: dict | None = None, logprobs: dict | None = None) -> str:  # fmt: skip
     choices = [] if usage else [
-        {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     ]  # fmt: skip
     body = {"id": ident, "object": "text_completion", "created": created, "model": model,
             "choices": choices}  # fmt: skip
@@ -220,24 +245,33 @@ async def collect(events: AsyncIterator[tuple]) -> tuple[str, Turn]:
 
 
 async def stream(events: AsyncIterator[tuple] | None, request: CompletionRequest, ident: str,
-                 model: str) -> AsyncIterator[str]:  # fmt: skip
+                 model: str, tokenizer, scored: list | None = None) -> AsyncIterator[str]:  # fmt: skip
     """SSE chunks: the echoed prompt, the raw text pieces, the finish, usage if asked, [DONE].
-    `events` is None when nothing is generated (max_tokens 0)."""
+    `events` is None when nothing is generated (max_tokens 0); `scored` the prompt's logprobs
+    then (see `prompt_logprobs`), sent with the echo. Generated tokens' logprobs go with the
+    chunk of their text (those whose text is held back, with the finish)."""
     created = int(time.time())
+    top = request.logprobs
     if request.echo:
-        yield _chunk(ident, created, model, request.prompt.text)
+        echoed = None
+        if scored is not None:
+            echoed = logprobs_body(tokenizer, request.prompt.ids, scored, top)
+        yield _chunk(ident, created, model, request.prompt.text, logprobs=echoed)
     turn = None
+    lps = StreamedLogprobs(tokenizer, top) if events is not None and top is not None else None
     if events is not None:
         async for event in events:
-            if event[0] == "delta" and event[3]:
-                yield _chunk(ident, created, model, event[3])
+            if event[0] == "logprobs" and lps is not None:
+                lps.add(event[1])
+            elif event[0] == "delta" and event[3]:
+                yield _chunk(ident, created, model, event[3], logprobs=lps and lps.body())
             elif event[0] == "error":
                 yield f"data: {json.dumps(event[1].body())}\n\n"
                 return
             elif event[0] == "done":
                 turn = event[1]
     finish = turn.finish_reason if turn is not None else "length"
-    yield _chunk(ident, created, model, "", finish)
+    yield _chunk(ident, created, model, "", finish, logprobs=lps and lps.body())
     if request.chat.include_usage:
         s = turn.stats if turn is not None else None
         u = usage(s.prompt_tokens, s.reused_tokens, s.generated_tokens) if s else usage(
