@@ -392,3 +392,23 @@ def test_sessions_reuse_from_disk_in_a_new_process(tiny, tmp_path):
         assert answer.token_ids == fresh_greedy(tiny, answer.prompt_ids, 4)[0]
     finally:
         e.close()
+
+
+def test_warm_prompts_come_back_from_disk_after_a_restart(tmp_path):
+    """--warm-prompts with a disk tier: the second start reads them instead of prefilling."""
+    cache, warm = tmp_path / "cache", [[SYSTEM, long_question(5)]]
+    for start in range(2):
+        e = engine.load("tiny", cache_dir=cache)
+        config = ServerConfig(port=0, context_window=4096, warm=False, warm_prompts=warm)
+        with BackgroundServer(e, config):
+            restores, reads = e.stateless.pool.restores, e.disk.reads
+        e.close()
+        assert (restores, reads) == ((0, 0) if start == 0 else (1, 1))
+
+
+def test_a_second_server_on_the_folder_is_refused(disk, capsys):
+    from engine.cli import main
+
+    assert main(["serve", "--model", "tiny", "--port", "0", "--cache-dir", str(disk.dir)]) == 1
+    err = capsys.readouterr().err
+    assert "chatml serve: error:" in err and "in use by another process" in err
