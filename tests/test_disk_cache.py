@@ -412,3 +412,21 @@ def test_a_second_server_on_the_folder_is_refused(disk, capsys):
     assert main(["serve", "--model", "tiny", "--port", "0", "--cache-dir", str(disk.dir)]) == 1
     err = capsys.readouterr().err
     assert "chatml serve: error:" in err and "in use by another process" in err
+
+
+def test_session_evicted_to_disk_and_back_gives_the_same_answer(tiny, eng, disk):
+    s = eng.session(SYSTEM["content"])
+    first = s.send(long_question(2)["content"], max_tokens=4)
+    eng.budget.max_bytes = 1  # everything leaves RAM, to disk
+    try:
+        eng.budget.enforce()
+        assert not s.seq.cache_bytes
+        disk.flush()  # a lookup sees written entries only
+        second = s.send(QUESTIONS[4], max_tokens=4)
+    finally:
+        eng.budget.max_bytes = 1 << 40
+    assert disk.reads == 1
+    start = prompt_of(eng, [SYSTEM, long_question(2)]).boundaries.generation_start
+    assert first.prompt_ids[:start] == second.prompt_ids[:start]
+    assert second.stats.reused_tokens >= start
+    assert second.token_ids == fresh_greedy(tiny, second.prompt_ids, 4)[0]

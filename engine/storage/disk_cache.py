@@ -208,7 +208,7 @@ class DiskCache:
         for pos in sorted({p for p in positions if p}):
             if pos > len(seq.tokens) or (pos < len(seq.tokens) and pos not in seq.snapshots):
                 continue  # evicted (the spill kept it, if it was worth it) or never taken
-            if self._holds(seq.prefix(pos), pos - self.gap(pos)):
+            if self._holds(seq.prefix(pos), max(0, pos - self.gap(pos))):
                 continue
             try:
                 queued += self.store(seq, pos)
