@@ -141,9 +141,10 @@ class Engine:
         self.detach_disk()
 
     def attach_disk(self, directory=None, max_bytes: int | None = None, **options) -> object:
-        """Give the pool a disk tier in `directory` (see engine/storage/disk_cache.py): what
-        the budget evicts from pool sequences is kept there and read back when a prompt's
-        longest reusable prefix is there. Raises DiskCacheBusy if another process has it."""
+        """Give the prefix cache a disk tier in `directory` (engine/storage/disk_cache.py):
+        what the budget evicts from pool and session sequences, and each turn's resume point,
+        are kept there and read back when a prompt's longest reusable prefix is there.
+        Raises DiskCacheBusy if another process has it."""
         from .storage.disk_cache import DiskCache
 
         self.detach_disk()
@@ -271,8 +272,10 @@ def load(
     `cache_bytes` bounds all sessions' caches and snapshots (default: half of what the
     weights leave of the memory MLX may use on this device, see `runtime.memory`). Weights
     that cannot fit the device raise `CheckpointError` (with both sizes) before loading.
-    `cache_dir` gives `Engine.chat`'s pool a disk tier there, of at most `disk_cache_bytes`
-    (default: 8 GiB or a tenth of the free space, the lesser); see `Engine.attach_disk`.
+    `cache_dir` gives the engine's prefix cache a disk tier there, of at most
+    `disk_cache_bytes` (default: 8 GiB or a tenth of the free space, the lesser), used by
+    `Engine.chat` and by sessions: each turn writes where its conversation resumes, so another
+    process on the same folder later reuses it instead of prefilling; see `Engine.attach_disk`.
     `speculative="lookup"` drafts up to `num_draft` tokens by prompt lookup and verifies them
     in one step (greedy output unchanged; samplers with penalties or a grammar decode plainly).
     `max_batch`: how many concurrent generations (sessions, `Engine.chat` calls from several

@@ -10,6 +10,11 @@ and the prompt's end. Older boundaries are never a linear conversation's deepest
 so they are dropped (each costs a whole recurrent state). A turn that fails (an exception,
 Ctrl+C, a rejected answer, an abandoned stream) leaves the history as it was and the cache at
 its state before the turn, or at a snapshot of it.
+
+With a disk tier (`engine.load(..., cache_dir=...)`), a turn whose caches reuse less than an
+entry on disk reads that entry instead of prefilling it, and each turn writes the point the
+next one resumes from: a new process, with a session holding the same conversation, reuses
+it from disk (engine/storage/disk_cache.py).
 """
 
 from __future__ import annotations
@@ -132,6 +137,7 @@ class Session:
         self.history: list[list[dict]] = []  # completed exchanges
         self.pending: list[dict] = []  # the current exchange while tool calls are open
         self.seq = CachedSequence(engine)
+        self.seq.spillable = True  # with a disk tier, evicted state goes there (and comes back)
         self.segments = SegmentCache()  # token ids of rendered segments, reused across turns
         self._warmed = (0, 0)  # positions the last warm() computed, for the next turn's stats
         self._warming: Job | None = None  # a queued or running warm_in_background()
@@ -400,6 +406,9 @@ class Session:
         detok, pieces = StreamDecoder(self.engine.tokenizer), []
         # On the model thread (see `_run`), which holds the model across the yields.
         with self.engine.foreground():
+            disk = getattr(self.engine, "disk", None)
+            if disk is not None:
+                self._from_disk(disk, prompt.ids)
             tokens = self.seq.generate(
                 prompt.ids, stops=stops, sampler=sampler, max_tokens=max_tokens,
                 progress=progress, ignore_eos=ignore_eos,
@@ -427,9 +436,22 @@ class Session:
                 raise
             self._record(current, turn)
             self.seq.keep_snapshots(stops | {len(prompt.ids)})
+            if disk is not None:  # where the next turn resumes, kept across a restart
+                b = prompt.boundaries
+                disk.observe_prefill(progress.prefilled, progress.prefill_s)
+                disk.keep_turn(self.seq, (b.system_end, b.generation_start))
             if tools is not None:
                 self.tools = tools  # the session's tools from now on
         return turn
+
+    def _from_disk(self, disk, ids: list[int]) -> None:
+        """Take the longest prefix of `ids` the engine's disk tier holds, if it is longer than
+        what the caches can reuse and reading it beats prefilling (`DiskCache.lookup`)."""
+        entry = disk.lookup(ids, above=self.seq.reusable(ids))
+        restored = disk.restore(entry) if entry is not None else None
+        if restored is not None:  # None: it failed its checks (deleted); the turn prefills
+            self.seq.drop_cache()
+            self.seq.tokens, self.seq.caches = restored
 
     def _make_turn(self, prompt, raw: str, p: Progress, t0: float, sampler: Sampler) -> Turn:
         warm_tokens = max(0, min(p.reused, self._warmed[1]) - self._warmed[0])

@@ -244,6 +244,8 @@ class StatelessChat:
             yield delta
         if self.engine.disk is not None:  # its speed decides when a disk read beats a prefill
             self.engine.disk.observe_prefill(progress.prefilled, progress.prefill_s)
+            # Where this conversation resumes, to disk now: a SIGKILL then loses little.
+            self.engine.disk.keep_turn(seq, (b.system_end, b.generation_start))
         # The served sequence was exempt while it ran; now the budget holds for all.
         self.engine.budget.enforce()
         turn = make_turn(

@@ -7,6 +7,12 @@ Exactness reference: `helpers.fresh_greedy`, a full prefill on fresh caches of t
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import mlx.core as mx
 import openai
@@ -20,9 +26,11 @@ from engine.runtime.generate import prefill
 from engine.runtime.pool import PooledSequence
 from engine.serving.server import BackgroundServer, ServerConfig
 from engine.storage.disk_cache import DiskCache, DiskCacheBusy, worth_reading
-from engine.storage.state_file import capture_state
+from engine.storage.state_file import capture_state, state_key
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 6}
+# A user message long enough that every turn's resume point passes the per-turn write bound.
+TAIL = " Please answer briefly, precisely and politely, in plain words, and say why." * 4
 
 
 @pytest.fixture(scope="module")
@@ -231,3 +239,194 @@ def test_warm_prompts_file_is_checked_and_flags_parse(tiny, tmp_path):
         not args.no_disk_cache
         and build_parser().parse_args(["serve", "--no-disk-cache"]).no_disk_cache
     )
+
+
+def long_question(n: int) -> dict:
+    return {"role": "user", "content": QUESTIONS[n % len(QUESTIONS)] + TAIL}
+
+
+def test_turn_writes_are_bounded(eng, disk):
+    """keep_turn writes a prefix only if it adds gap(n) >= n / write_factor tokens over every
+    entry below it: the entries of one conversation hold at most write_factor times its last."""
+    bounded = eng.attach_disk(disk.dir, 1 << 30, min_tokens=8, write_factor=4)
+    ids = prompt_of(eng, [SYSTEM, long_question(0), {"role": "assistant", "content": "ok"},
+                          long_question(1)]).ids  # fmt: skip
+    positions = list(range(4, len(ids), 4))
+    with eng.lock:
+        seq = prefix_seq(eng, ids, stops=positions)
+        for pos in positions:  # one turn's end after another, in a growing conversation
+            bounded.keep_turn(seq, [pos])
+        bounded.flush()
+        written = sorted(e.tokens for e in bounded._index.values())
+        # The rule, restated: the first position of min_tokens or more, then each one at least
+        # max(8, ceil(n / 4)) beyond the last written.
+        want = []
+        for n in positions:
+            if n >= 8 and (not want or n - want[-1] >= max(8, -(-n // 4))):
+                want.append(n)
+        assert written == want and len(want) >= 4
+        assert sum(written) <= 4 * written[-1]
+        # An entry queued for a branch off the conversation does not count for this one.
+        other = prefix_seq(eng, ids[:20] + [ids[20] + 1] + ids[21:44])
+        assert bounded.keep_turn(other, [44]) == 1
+        # Positions the sequence holds no state for are skipped, not guessed.
+        assert bounded.keep_turn(seq, [len(ids) + 5, len(ids) - 3]) == 0
+        bounded.flush()
+
+
+class Served:
+    """`chatml serve --model tiny` in a child process, on a disk cache folder."""
+
+    def __init__(self, cache, log):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.cli", "serve", "--model", "tiny", "--port", "0",
+             "--cache-dir", str(cache)],
+            stdout=subprocess.PIPE, stderr=open(log, "ab"), text=True,  # noqa: SIM115
+        )  # fmt: skip
+        self.watchdog = threading.Timer(300, self.proc.kill)  # a hang fails, not stalls the run
+        self.watchdog.start()
+        banner = self.proc.stdout.readline()
+        assert banner.startswith("chatml serve: tiny on "), banner
+        self.url = banner.split(" on ", 1)[1].strip()
+        self.lines = [self.proc.stdout.readline(), self.proc.stdout.readline()]
+        self.client = openai.OpenAI(base_url=self.url, api_key="x", max_retries=0, timeout=120)
+
+    def ask(self, messages: list):
+        return self.client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=4, temperature=0, presence_penalty=0
+        )
+
+    def stop(self, sig) -> int:
+        self.proc.send_signal(sig)
+        rc = self.proc.wait(120)
+        self.watchdog.cancel()
+        self.proc.stdout.close()
+        return rc
+
+
+def wait_for_entry(cache, ids, n: int, timeout: float = 120) -> None:
+    """Until the entry for ids[:n] is on disk (renamed into place: whole), or fail."""
+    name = f"{n}-{state_key(ids[:n])}.safetensors"
+    deadline = time.monotonic() + timeout
+    while not list(cache.glob(f"*/{name}")):
+        assert time.monotonic() < deadline, f"{name} was never written"
+        time.sleep(0.05)
+
+
+def test_killed_or_terminated_server_resumes_from_disk(tiny, tmp_path):
+    """6 turns, SIGKILL, restart: the resent conversation reuses up to the last answer's
+    start, from the per-turn writes alone; then a SIGTERM right after a reply: the clean
+    shutdown finishes the queued writes. Answers equal a fresh full prefill's."""
+    cache, log = tmp_path / "cache", tmp_path / "server.log"
+    messages, before = [SYSTEM], 0
+    srv = Served(cache, log)
+    try:
+        for turn in range(6):
+            messages.append(long_question(turn))
+            answer = srv.ask(messages).choices[0].message.content
+            assert answer == fresh_answer(tiny, messages, max_tokens=4)
+            prompt = prompt_of(tiny, messages)
+            start = prompt.boundaries.generation_start
+            assert start - before >= max(32, -(-start // 8))  # the write bound allows it
+            wait_for_entry(cache, prompt.ids, start)
+            before = start
+            messages.append({"role": "assistant", "content": answer})
+    finally:
+        assert srv.stop(signal.SIGKILL) == -signal.SIGKILL
+    for kill in (signal.SIGTERM, None):
+        srv = Served(cache, log)
+        try:
+            assert "disk cache:" in srv.lines[1] and "(0 prefixes" not in srv.lines[1]
+            messages.append(long_question(len(messages)))
+            r = srv.ask(messages)
+            answer = r.choices[0].message.content
+            assert answer == fresh_answer(tiny, messages, max_tokens=4)
+            assert r.usage.prompt_tokens_details.cached_tokens >= before
+            before = prompt_of(tiny, messages).boundaries.generation_start
+            messages.append({"role": "assistant", "content": answer})
+        finally:  # SIGTERM at once: what is still queued is written before the exit
+            pid = srv.proc.pid
+            # uvicorn shuts down gracefully, then exits by the signal it caught.
+            assert srv.stop(kill or signal.SIGTERM) in (0, -signal.SIGTERM)
+            assert f"Finished server process [{pid}]" in log.read_text()
+    assert not list(cache.glob("*/*.tmp"))
+
+
+_SESSION_CHILD = """
+import json, os, sys
+import engine
+e = engine.load("tiny", cache_dir=sys.argv[1])
+s = e.session(sys.argv[2])
+turns = [s.send(q, max_tokens=4) for q in json.loads(sys.argv[3])]
+e.disk.flush()
+print(json.dumps({"history": s.history, "prompt_ids": turns[-1].prompt_ids}), flush=True)
+os._exit(0)  # no clean shutdown: only the per-turn writes are on disk
+"""
+
+
+def test_sessions_reuse_from_disk_in_a_new_process(tiny, tmp_path):
+    """A session in one process (ended without a shutdown); in a new process a session with
+    the same conversation, and Engine.chat, both resume from disk, exactly."""
+    cache = tmp_path / "cache"
+    questions = [long_question(n)["content"] for n in range(3)]
+    child = subprocess.run(
+        [sys.executable, "-c", _SESSION_CHILD, str(cache), SYSTEM["content"],
+         json.dumps(questions)],
+        capture_output=True, text=True, timeout=300, env=os.environ,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr
+    done = json.loads(child.stdout)
+    last = prompt_of(tiny, [SYSTEM, *[m for ex in done["history"] for m in ex]][:-1])
+    assert last.ids == done["prompt_ids"]  # the render a resent conversation shares
+    start = last.boundaries.generation_start
+    e = engine.load("tiny", cache_dir=cache)
+    try:
+        s = e.session(SYSTEM["content"])
+        s.history = done["history"]
+        turn = s.send(QUESTIONS[9], max_tokens=4)
+        assert e.disk.reads == 1 and turn.stats.reused_tokens >= start
+        assert turn.token_ids == fresh_greedy(tiny, turn.prompt_ids, 4)[0]
+        messages = [SYSTEM, *[m for ex in done["history"] for m in ex], long_question(7)]
+        answer = e.chat(messages, max_tokens=4, warm=False)
+        assert e.stateless.pool.restores == 1 and answer.stats.reused_tokens >= start
+        assert answer.token_ids == fresh_greedy(tiny, answer.prompt_ids, 4)[0]
+    finally:
+        e.close()
+
+
+def test_warm_prompts_come_back_from_disk_after_a_restart(tmp_path):
+    """--warm-prompts with a disk tier: the second start reads them instead of prefilling."""
+    cache, warm = tmp_path / "cache", [[SYSTEM, long_question(5)]]
+    for start in range(2):
+        e = engine.load("tiny", cache_dir=cache)
+        config = ServerConfig(port=0, context_window=4096, warm=False, warm_prompts=warm)
+        with BackgroundServer(e, config):
+            restores, reads = e.stateless.pool.restores, e.disk.reads
+        e.close()
+        assert (restores, reads) == ((0, 0) if start == 0 else (1, 1))
+
+
+def test_a_second_server_on_the_folder_is_refused(disk, capsys):
+    from engine.cli import main
+
+    assert main(["serve", "--model", "tiny", "--port", "0", "--cache-dir", str(disk.dir)]) == 1
+    err = capsys.readouterr().err
+    assert "chatml serve: error:" in err and "in use by another process" in err
+
+
+def test_session_evicted_to_disk_and_back_gives_the_same_answer(tiny, eng, disk):
+    s = eng.session(SYSTEM["content"])
+    first = s.send(long_question(2)["content"], max_tokens=4)
+    eng.budget.max_bytes = 1  # everything leaves RAM, to disk
+    try:
+        eng.budget.enforce()
+        assert not s.seq.cache_bytes
+        disk.flush()  # a lookup sees written entries only
+        second = s.send(QUESTIONS[4], max_tokens=4)
+    finally:
+        eng.budget.max_bytes = 1 << 40
+    assert disk.reads == 1
+    start = prompt_of(eng, [SYSTEM, long_question(2)]).boundaries.generation_start
+    assert first.prompt_ids[:start] == second.prompt_ids[:start]
+    assert second.stats.reused_tokens >= start
+    assert second.token_ids == fresh_greedy(tiny, second.prompt_ids, 4)[0]

@@ -14,6 +14,17 @@ fails is deleted with a warning and the request prefills instead. One process ow
 time (an exclusive lock on `DIR/lock`): a second one is refused with `DiskCacheBusy`, so two
 servers never evict or write under each other.
 
+What reaches disk: what the RAM budget evicts (`spill`), every pool sequence at a clean
+shutdown (`Engine.save_pool`), and after each turn the point its conversation resumes from
+(`keep_turn`: the answer's `<|im_start|>assistant\n` and the system block's end), so a process
+killed with SIGKILL loses at most the last few turns. That per-turn write is bounded (`gap`):
+a prefix of `n` tokens is written only if it holds at least `max(min_tokens, n / write_factor)`
+tokens more than every entry already on disk (or queued) that is a prefix of it. So each such
+entry holds at most `write_factor` times the tokens it adds, the lengths along a conversation
+grow geometrically, all its per-turn entries together hold at most `write_factor` times the
+KV rows of its longest one (plus one recurrent state each), and after a kill a conversation
+re-prefills at most about 1/`write_factor` of itself (or `min_tokens`) beyond its last turn.
+
 Threads: `store` copies the arrays out of MLX on the model thread (numpy from then on); a
 writer thread checksums, encodes and writes; `lookup` and `restore` run on the model thread.
 The LRU size budget covers every entry under DIR (all namespaces), oldest use first.
@@ -40,6 +51,7 @@ log = logging.getLogger("chatml.disk_cache")
 GiB = 1 << 30
 DEFAULT_BYTES = 8 * GiB  # at most; never more than a tenth of the free space (default_bytes)
 MIN_TOKENS = 32  # a shorter gain is prefilled: not worth a file read
+WRITE_FACTOR = 8  # per-turn writes: see the module docstring
 INITIAL_READ_BPS = 200e6  # until a read is measured: a slow SSD, read + checksum + decode
 _NAME = re.compile(r"^(\d+)-([0-9a-f]{32})\.safetensors$")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -91,12 +103,16 @@ class DiskCache:
     """Cached prefixes on disk for one engine: `store`, `lookup`, `restore`; `close` at the end."""
 
     def __init__(self, engine, directory: str | os.PathLike | None = None,
-                 max_bytes: int | None = None, *, min_tokens: int = MIN_TOKENS):  # fmt: skip
+                 max_bytes: int | None = None, *, min_tokens: int = MIN_TOKENS,
+                 write_factor: int = WRITE_FACTOR):  # fmt: skip
+        if write_factor < 1:
+            raise ValueError(f"write_factor must be >= 1, got {write_factor!r}")
         self.engine = engine
         self.dir = Path(directory) if directory is not None else default_dir()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = default_bytes(self.dir) if max_bytes is None else max_bytes
         self.min_tokens = min_tokens
+        self.write_factor = write_factor
         self.read_bps = INITIAL_READ_BPS
         self.prefill_tps: float | None = None  # measured by the caller (observe_prefill)
         self.writes = self.reads = self.rejected = 0
@@ -105,7 +121,7 @@ class DiskCache:
         self.ns.mkdir(exist_ok=True)
         self._index: dict[Path, Entry] = {}
         self._guard = threading.Lock()  # the index: the writer thread adds, the model thread reads
-        self._pending: set[str] = set()  # keys queued for writing
+        self._pending: dict[str, int] = {}  # keys queued for writing -> their token counts
         self._queue: queue.Queue = queue.Queue()
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="chatml-disk", daemon=True)
@@ -168,7 +184,7 @@ class DiskCache:
                 return False
             if key in self._pending:
                 return False
-            self._pending.add(key)
+            self._pending[key] = pos
         self._queue.put((path, key, pos, capture_state(seq, self.engine, pos)))
         return True
 
@@ -183,9 +199,39 @@ class DiskCache:
         ]:
             self.store(seq, p)
 
+    def keep_turn(self, seq, positions) -> int:
+        """After a turn, on the model thread: queue `seq`'s prefixes at `positions` (snapshot
+        positions or its live end) that the write bound allows (module docstring): those
+        with no entry on disk or queued within `gap(n)` tokens below. Returns how many were
+        queued; a position `seq` holds no state for (evicted, never taken) is skipped."""
+        queued = 0
+        for pos in sorted({p for p in positions if p}):
+            if pos > len(seq.tokens) or (pos < len(seq.tokens) and pos not in seq.snapshots):
+                continue  # evicted (the spill kept it, if it was worth it) or never taken
+            if self._holds(seq.prefix(pos), max(0, pos - self.gap(pos))):
+                continue
+            try:
+                queued += self.store(seq, pos)
+            except Exception as e:  # the disk tier is an optimisation: the turn stands
+                log.warning("could not keep a turn's prefix on disk: %r", e)
+        return queued
+
+    def gap(self, n: int) -> int:
+        """How many tokens a per-turn entry of `n` tokens must add over the entries below it."""
+        return max(self.min_tokens, -(-n // self.write_factor))
+
+    def _holds(self, ids, above: int) -> bool:
+        """Is an entry on disk or queued, of more than `above` tokens, a prefix of `ids`?"""
+        with self._guard:
+            lengths = {e.tokens for e in self._index.values() if above < e.tokens <= len(ids)}
+            keys = {e.key for e in self._index.values() if e.tokens in lengths}
+            lengths |= {n for n in self._pending.values() if above < n <= len(ids)}
+            keys |= set(self._pending)
+        return any(state_key(ids[:n]) in keys for n in lengths)
+
     def spill(self, seq, pos: int | None) -> None:
         """CacheBudget's hook, before it evicts: a snapshot at `pos`, or (None) the live cache.
-        Only pool sequences spill (the ones `SequencePool` can restore from here)."""
+        Only sequences that can be restored from here spill (the pool's, sessions')."""
         if not getattr(seq, "spillable", False):
             return
         try:
@@ -214,7 +260,7 @@ class DiskCache:
                     continue
                 finally:
                     with self._guard:
-                        self._pending.discard(key)
+                        self._pending.pop(key, None)
                 with self._guard:
                     self._index[path] = Entry(path, n, key, path.stat().st_size, time.time())
                     self.writes += 1
