@@ -78,7 +78,8 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
     """`--speculative` and `--num-draft`: passed to `engine.load` as they are."""
     parser.add_argument("--speculative", choices=["lookup", "mtp"], default=None,
                         help="draft tokens and verify them in one step (lookup: n-grams of "
-                        "the conversation; greedy output unchanged)")  # fmt: skip
+                        "the conversation; mtp: the checkpoint's MTP head); greedy output "
+                        "unchanged")  # fmt: skip
     parser.add_argument("--num-draft", type=number(1, 8), default=4,
                         help="most tokens drafted per step (with --speculative)")  # fmt: skip
 
