@@ -24,6 +24,7 @@ from .checkpoints.loader import (
 from .checkpoints.registry import ModelEntry
 from .checkpoints.tokenizer import Tokenizer
 from .runtime import memory
+from .runtime.draft import DraftModel
 from .runtime.model import ModelOptions, Qwen35
 from .runtime.mtp import MTPDrafter
 from .runtime.quantized import quantize_model, use_cpu_kernels
@@ -244,7 +245,8 @@ def load(
     in one step; `"mtp"` drafts them with the checkpoint's MTP head (its `mtp.*` weights,
     which quantized mlx-community conversions drop: `CheckpointError` then). Greedy output is
     unchanged, penalties apply as in plain decoding; samplers with a grammar or logprobs
-    decode plainly.
+    decode plainly. `"draft:NAME"` drafts with another model (a registry name, folder or Hub
+    id with the same tokenizer, loaded in the same dtype), greedily from its own caches.
     """
     spec = speculation(speculative, num_draft)
     path, entry = resolve(model)
@@ -298,13 +300,15 @@ def load(
         cache_bytes = memory.default_budget(need, mem)
     eng = Engine(net, tok, ckpt.entry, ckpt, _DTYPES[name], stops, CacheBudget(cache_bytes))
     eng.speculative = spec
+    if spec is not None and isinstance(spec.drafter, DraftModel):
+        spec.drafter.load(eng)
     if cache_dir is not None:
         eng.attach_disk(cache_dir, disk_cache_bytes)
         weakref.finalize(eng, eng.disk.close)  # its writes finish even if close() is not called
     return eng
 
 
-SPECULATIVE = ("lookup", "mtp")
+SPECULATIVE = ("lookup", "mtp", "draft:NAME")
 
 
 def speculation(name: str | None, num_draft: int = 4) -> Speculation | None:
@@ -317,4 +321,6 @@ def speculation(name: str | None, num_draft: int = 4) -> Speculation | None:
         return Speculation(LookupDrafter, num_draft)
     if name == "mtp":
         return Speculation(MTPDrafter, num_draft)
+    if isinstance(name, str) and name.startswith("draft:") and name[len("draft:") :].strip():
+        return Speculation(DraftModel(name[len("draft:") :].strip()), num_draft)
     raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)} or None, got {name!r}")

@@ -270,7 +270,7 @@ def test_load_options_are_checked(tiny):
     assert isinstance(engine.engine.speculation("lookup", 2), Speculation)
     assert engine.engine.speculation("mtp", 3).drafter is MTPDrafter
     assert engine.engine.speculation(None) is None
-    with pytest.raises(ValueError, match="speculative must be one of lookup, mtp or None"):
+    with pytest.raises(ValueError, match="speculative must be one of lookup, mtp, draft:NAME or"):
         engine.engine.speculation("medusa")
     with pytest.raises(ValueError, match="num_draft must be an integer from 1 to 8"):
         engine.engine.speculation("lookup", 0)
