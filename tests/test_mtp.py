@@ -312,3 +312,20 @@ def test_the_mtp_cache_survives_a_state_file_and_a_pool_fork(mtp):
         dst = CachedSequence(eng)
         fork(seq, pos, dst)
         _assert_holds(eng.model, dst.caches, seq.tokens[:pos], seq.tokens[pos], atol=1e-3)
+
+
+def test_the_pool_serves_mtp_requests_as_a_fresh_prefill_does(mtp):
+    """Stateless requests: a new conversation, its continuation (the same sequence) and a
+    branch off its system prompt (a forked copy, the head's rows included)."""
+    eng = mtp
+    eng.speculative = Speculation(MTPDrafter, 3, adaptive=False)
+    base = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": QUESTIONS[0]}]  # fmt: skip
+    t1 = eng.chat(base, max_tokens=6, warm=False)
+    more = [{"role": "assistant", "content": t1.text}, {"role": "user", "content": QUESTIONS[1]}]
+    t2 = eng.chat(base + more, max_tokens=6, warm=False)
+    t3 = eng.chat([base[0], {"role": "user", "content": QUESTIONS[2]}], max_tokens=6, warm=False)
+    for t in (t1, t2, t3):
+        assert t.token_ids == fresh_greedy(eng, t.prompt_ids, 6)[0]
+        assert t.stats.drafted_tokens > 0
+    assert t2.stats.reused_tokens > 0 and t3.stats.reused_tokens > 0
