@@ -82,34 +82,41 @@ class DraftDrafter:
         model = self.draft.engine.model
         ids = list(history[:-1])  # what the draft caches must hold: all but the pending token
         with self.draft.engine.lock:
-            self._sync(ids)
-            caches, token, out = self.seq.caches, mx.array(history[-1:]), []
-            for _ in range(k):  # the pending token, then each draft but the last
-                ((logits, mark),) = forward(model, [Row(caches, token)])
-                self.marks[mark.start] = mark
-                token = mx.argmax(logits[-1], keepdims=True).astype(mx.uint32)  # [1]
-                out.append(token)
-            drafts = mx.concatenate(out)
-            eval_caches(caches, drafts)
-            drafts = drafts.tolist()
+            try:
+                self._sync(ids)
+                caches, token, out = self.seq.caches, mx.array(history[-1:]), []
+                for _ in range(k):  # the pending token, then each draft but the last
+                    ((logits, mark),) = forward(model, [Row(caches, token)])
+                    self.marks[mark.start] = mark
+                    token = mx.argmax(logits[-1], keepdims=True).astype(mx.uint32)  # [1]
+                    out.append(token)
+                drafts = mx.concatenate(out)
+                eval_caches(caches, drafts)
+                drafts = drafts.tolist()
+            except BaseException:  # the caches may hold anything: start this one afresh
+                if self.seq is not None:
+                    self.seq.drop_cache()
+                self.seq, self.marks = None, {}
+                raise
             self.seq.tokens = [*history, *drafts[:-1]]
         return drafts
 
     def _sync(self, ids: list[int]) -> None:
         """Bring the draft caches to hold exactly `ids`."""
-        if self.seq is None:  # the first proposal of the answer: from the best sequence
-            self.seq = self.draft.sequence_for(ids)
-            start_token = self.draft.engine.tokenizer.token_id("<|im_start|>")
-            stops = [i + 1 for i, t in enumerate(ids) if t == start_token] + [len(ids)]
-            start, end = self.seq.extend(ids, stops=stops, chunk=512)
-            self.draft.prefilled += end - start
-            return
         seq = self.seq
-        keep = common_prefix(seq.tokens, ids)
-        if keep < len(seq.tokens):  # drafts that did not stand: undo their steps
-            rollback(seq.caches, self.marks[keep], keep)  # each draft began one
+        keep = common_prefix(seq.tokens, ids) if seq is not None else 0
+        if seq is not None and keep < len(seq.tokens) and keep in self.marks:
+            rollback(seq.caches, self.marks[keep], keep)  # drafts that did not stand
             seq.tokens = seq.tokens[:keep]
         self.marks = {}  # the history only grows: no later rollback reaches below `keep`
-        if keep < len(ids):  # every draft stood: feed the last one (it had no step)
-            prefill(seq.engine.model, seq.caches, ids, keep, logits=False)
-            seq.tokens = list(ids)
+        if seq is not None and keep == len(seq.tokens):
+            if keep < len(ids):  # every draft stood: feed the last one (it had no step)
+                prefill(seq.engine.model, seq.caches, ids, keep, logits=False)
+                seq.tokens = list(ids)
+            return
+        # The first proposal of the answer: the best sequence, from its deepest snapshot.
+        self.seq = seq = seq or self.draft.sequence_for(ids)
+        start_token = self.draft.engine.tokenizer.token_id("<|im_start|>")
+        stops = [i + 1 for i, t in enumerate(ids) if t == start_token] + [len(ids)]
+        start, end = seq.extend(ids, stops=stops, chunk=512)
+        self.draft.prefilled += end - start

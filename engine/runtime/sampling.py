@@ -14,9 +14,9 @@ arrays that each pick updates lazily (`advance`), so decoding still runs a step 
 host with them. They rebind those arrays and never write into them, so a state is saved and
 restored by reference (`save`/`restore`): speculative decoding processes each verified
 position as if the drafts before it had been picked, then keeps only the picks that stood
-(`Sampler.process_drafts`, `Sampler.stood`). A processor that needs the tokens read on the host (a grammar matcher that
-advances by accepted tokens) says so with `reads_history`: decoding then runs one step at a
-time (see `generate.decode`).
+(`Sampler.process_drafts`, `Sampler.stood`). A processor that needs the tokens read on the
+host (a grammar matcher that advances by accepted tokens) says so with `reads_history`:
+decoding then runs one step at a time (see `generate.decode`).
 """
 
 from __future__ import annotations
@@ -241,11 +241,13 @@ class Sampler:
         would process it had `drafts[:i]` been picked (penalties count them). The processors
         end as they began; `stood` then advances them by the picks that stand."""
         self._advance()
+        if not self.processors:
+            return logits.astype(mx.float32)
         saved = [p.save() for p in self.processors]
         rows = []
         for i in range(len(drafts) + 1):
             rows.append(self.process(logits[i], [*history, *drafts[:i]]))
-            if i < len(drafts) and self.processors:
+            if i < len(drafts):
                 pick = mx.array(drafts[i], dtype=mx.uint32)  # as mx.argmax's picks are
                 for p in self.processors:
                     p.advance(pick)
