@@ -110,7 +110,8 @@ class DraftDrafter:
             seq.tokens = seq.tokens[:keep]
         self.marks = {}  # the history only grows: no later rollback reaches below `keep`
         if seq is not None and keep == len(seq.tokens):
-            if keep < len(ids):  # every draft stood: feed the last one (it had no step)
+            if keep < len(ids):  # what came after the drafts that stood (the last draft had
+                # no step of its own; plain decoding may have run since)
                 prefill(seq.engine.model, seq.caches, ids, keep, logits=False)
                 seq.tokens = list(ids)
             return
