@@ -7,7 +7,7 @@ Run: ``chatml bench peer --model qwen3.5-0.8b [--formats f32,q8_0,q4_k_m] [--thr
 llama.cpp comes from PyPI, as source: the ``llama-cpp-python`` sdist vendors a llama.cpp tree
 with ``convert_hf_to_gguf.py``, ``llama-bench`` and ``llama-quantize``. It is built once under
 ``CHATML_HOME/peer`` (CMake + Ninja, ``GGML_NATIVE=ON``, no curl), the checkpoint is converted
-to GGUF (``--no-mtp``: our random-weight builds carry no MTP head) in each format asked for,
+to GGUF (``--no-mtp``: both sides decode without the MTP head) in each format asked for,
 and then ``llama-bench -p 512 -n 64`` and this engine's throughput bench (the ``chatml``
 configuration of ``bench.throughput``: prefill of a 512-token prompt, 64 decoded tokens) run
 interleaved, ``--repeats`` times each, the best kept. The engine computes in float32, so it is

@@ -6,6 +6,11 @@ rate (0 accepts everything, 1 nothing), and each (k, rate) cell is timed against
 (pipelined) decoding of the same prompt, run beside it (medians of `--repeats`). Output is
 checked token-for-token against plain decoding on every run. Prints a table, writes JSON
 with the conditions (`--json`).
+
+`--mtp` loads the checkpoint's MTP head: the injected cells then carry its cache (kept in
+step by every pass), and rows `mtp` draft with the head itself (with random weights its
+drafts are almost never right: the rows show what drafting costs when it fails, fixed k and
+adaptive). Plain decoding runs on the target's caches alone, as an engine without the head.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ def _run(model, prompt, n, drafter=None, k=1, adaptive=False):
     from engine.runtime.speculative import DraftLength, SpeculationStats, speculative_decode
 
     caches = model.make_caches()
+    if drafter is None:  # the target alone: what an engine without the MTP head runs
+        caches = caches[: len(model.layers)]
     logits, _ = prefill(model, caches, prompt, 0)
     mx.eval(logits)
     eval_caches(caches)
@@ -54,15 +61,19 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=2,
                     help="runs per cell, each beside a plain run (medians: a busy machine)")  # fmt: skip
+    ap.add_argument("--mtp", action="store_true",
+                    help="load the MTP head: its cache rides along, and rows `mtp` draft with it")  # fmt: skip
     ap.add_argument("--models-dir")
     ap.add_argument("--json")
     args = ap.parse_args()
 
     import engine
     from bench.common import conditions, model_path, write_json
+    from engine.runtime.mtp import MTPDrafter
     from engine.runtime.speculative import InjectedDrafter
 
-    eng = engine.load(str(model_path(args.model, args.models_dir)))
+    eng = engine.load(str(model_path(args.model, args.models_dir)),
+                      speculative="mtp" if args.mtp else None)  # fmt: skip
     prompt = eng.tokenizer.encode("Tell me a long story about a fox and a crow. " * 8)
     n = args.tokens
     _run(eng.model, prompt, 8)  # warm-up: compile the decode path
@@ -76,13 +87,16 @@ def main() -> None:
     ks, rates = [int(x) for x in args.ks.split(",")], [float(x) for x in args.rates.split(",")]
     cells = [(k, rate, False) for k in ks for rate in rates]
     cells += [(max(ks), rate, True) for rate in rates] if args.adaptive else []
+    if args.mtp:
+        cells += [(k, "mtp", False) for k in ks] + [(max(ks), "mtp", True)]
     for k in ks:  # warm-up: compile each verify shape once
         _run(eng.model, prompt, 8, InjectedDrafter(truth, len(prompt), 0.0), k)
     for k, rate, adaptive in cells:
         spec, plain = [], []
         for _ in range(args.repeats):
             plain.append(_run(eng.model, prompt, n)[1])
-            drafter = InjectedDrafter(truth, len(prompt), rate, seed=k)
+            drafter = (MTPDrafter() if rate == "mtp" else
+                       InjectedDrafter(truth, len(prompt), rate, seed=k))  # fmt: skip
             out, tps, st = _run(eng.model, prompt, n, drafter, k, adaptive)
             if out != truth:
                 raise SystemExit(f"k={k} rate={rate}: output differs from plain decoding")
@@ -94,9 +108,10 @@ def main() -> None:
                "tokens_per_s": round(tps, 2), "plain_tokens_per_s": round(plain_tps, 2),
                "speedup": round(tps / plain_tps, 3)}  # fmt: skip
         rows.append(row)
-        print(f"{row['k']:>4} {rate:>6.2f} {row['acceptance']:>8.2f} {row['tokens_per_verify']:>10.2f}"
+        shown = rate if rate == "mtp" else f"{rate:.2f}"
+        print(f"{row['k']:>4} {shown:>6} {row['acceptance']:>8.2f} {row['tokens_per_verify']:>10.2f}"
               f" {tps:>7.1f} {plain_tps:>7.1f} {row['speedup']:>7.2f}x")  # fmt: skip
-    write_json(args.json, {"bench": "speculative", "model": args.model, "tokens": n,
+    write_json(args.json, {"bench": "speculative", "model": args.model, "tokens": n, "mtp": args.mtp,
                            "repeats": args.repeats, "rows": rows,
                            "conditions": conditions(dtype="float32")})  # fmt: skip
 

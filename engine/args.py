@@ -74,11 +74,19 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
     return given
 
 
+def _drafter(value: str) -> str:
+    if value in ("lookup", "mtp") or (value.startswith("draft:") and value[6:].strip()):
+        return value
+    raise argparse.ArgumentTypeError(f"expected lookup, mtp or draft:NAME, got {value!r}")
+
+
 def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
     """`--speculative` and `--num-draft`: passed to `engine.load` as they are."""
-    parser.add_argument("--speculative", choices=["lookup", "mtp"], default=None,
+    parser.add_argument("--speculative", type=_drafter, default=None,
+                        metavar="{lookup,mtp,draft:NAME}",
                         help="draft tokens and verify them in one step (lookup: n-grams of "
-                        "the conversation; greedy output unchanged)")  # fmt: skip
+                        "the conversation; mtp: the checkpoint's MTP head; draft:NAME: a "
+                        "smaller model with the same tokenizer); greedy output unchanged")  # fmt: skip
     parser.add_argument("--num-draft", type=number(1, 8), default=4,
                         help="most tokens drafted per step (with --speculative)")  # fmt: skip
 

@@ -26,7 +26,9 @@ from .checkpoints.tokenizer import Tokenizer
 from .runtime import memory
 from .runtime.batch import DEFAULT_MAX_BATCH, Batch
 from .runtime.dense import use_dense_kernels
+from .runtime.draft import DraftModel
 from .runtime.model import ModelOptions, Qwen35
+from .runtime.mtp import MTPDrafter
 from .runtime.quantized import quantize_model, use_cpu_kernels
 from .runtime.snapshot import CacheBudget
 from .runtime.speculative import LookupDrafter, Speculation
@@ -277,13 +279,26 @@ def load(
     `Engine.chat` and by sessions: each turn writes where its conversation resumes, so another
     process on the same folder later reuses it instead of prefilling; see `Engine.attach_disk`.
     `speculative="lookup"` drafts up to `num_draft` tokens by prompt lookup and verifies them
-    in one step (greedy output unchanged; samplers with penalties or a grammar decode plainly).
+    in one step; `"mtp"` drafts them with the checkpoint's MTP head (its `mtp.*` weights,
+    which quantized mlx-community conversions drop: `CheckpointError` then). Greedy output is
+    unchanged, penalties apply as in plain decoding; samplers with a grammar or logprobs
+    decode plainly. `"draft:NAME"` drafts with another model (a registry name, folder or Hub
+    id with the same tokenizer, loaded in the same dtype), greedily from its own caches.
     `max_batch`: how many concurrent generations (sessions, `Engine.chat` calls from several
     threads, server requests) decode together in one forward pass per step.
     """
     spec = speculation(speculative, num_draft)
     path, entry = resolve(model)
     ckpt = inspect(path, entry)
+    mtp = speculative == "mtp"
+    if mtp and not (ckpt.mtp_tensors and ckpt.entry.arch.mtp_num_hidden_layers):
+        raise CheckpointError(
+            f"{path}: speculative='mtp' needs the checkpoint's MTP head, and it has none "
+            f"({ckpt.mtp_tensors} mtp.* tensors, mtp_num_hidden_layers="
+            f"{ckpt.entry.arch.mtp_num_hidden_layers}); quantized mlx-community conversions "
+            "drop it: load the bf16 checkpoint (quantize= at load keeps the head), or use "
+            "speculative='lookup'"
+        )
     name = dtype or ckpt.entry.compute_dtype.get(backend(), "float32")
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
@@ -301,7 +316,7 @@ def load(
         raise ValueError("quantize= on a CPU supports dense models (MoE experts need float32)")
     dequantize = cpu and ckpt.entry.arch.is_moe  # dense quantized layers use kernels.native
     mem = memory.device_memory()
-    need = weights_nbytes(ckpt, _DTYPES[name].size, dequantize_quantized=dequantize)
+    need = weights_nbytes(ckpt, _DTYPES[name].size, dequantize_quantized=dequantize, mtp=mtp)
     if problem := memory.fits(need, mem):  # before loading: not a swap storm or a crash
         raise CheckpointError(f"{path}: {problem}")
     wired, warning = memory.wired_limit(need, mem)
@@ -309,7 +324,7 @@ def load(
         warnings.warn(warning, stacklevel=2)
     if wired:
         mx.set_wired_limit(wired)
-    net = Qwen35(ckpt.entry.arch, ModelOptions(chunked_delta=chunked_delta))
+    net = Qwen35(ckpt.entry.arch, ModelOptions(chunked_delta=chunked_delta), mtp=mtp)
     load_weights(ckpt, net, _DTYPES[name], dequantize_quantized=dequantize)
     if quantize:
         quantize_model(net, quantize)
@@ -330,13 +345,15 @@ def load(
     eng = Engine(net, tok, ckpt.entry, ckpt, _DTYPES[name], stops, CacheBudget(cache_bytes))
     eng.speculative = spec
     eng.set_max_batch(max_batch)
+    if spec is not None and isinstance(spec.drafter, DraftModel):
+        spec.drafter.load(eng)
     if cache_dir is not None:
         eng.attach_disk(cache_dir, disk_cache_bytes)
         weakref.finalize(eng, eng.disk.close)  # its writes finish even if close() is not called
     return eng
 
 
-SPECULATIVE = ("lookup", "mtp")
+SPECULATIVE = ("lookup", "mtp", "draft:NAME")
 
 
 def speculation(name: str | None, num_draft: int = 4) -> Speculation | None:
@@ -348,8 +365,7 @@ def speculation(name: str | None, num_draft: int = 4) -> Speculation | None:
     if name == "lookup":
         return Speculation(LookupDrafter, num_draft)
     if name == "mtp":
-        raise ValueError(
-            "speculative='mtp' is not available yet: the engine does not load the checkpoint's "
-            "mtp.* layer; use speculative='lookup'"
-        )
+        return Speculation(MTPDrafter, num_draft)
+    if isinstance(name, str) and name.startswith("draft:") and name[len("draft:") :].strip():
+        return Speculation(DraftModel(name[len("draft:") :].strip()), num_draft)
     raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)} or None, got {name!r}")

@@ -68,8 +68,11 @@ def test_every_entry_has_a_consistent_plan(name):
     names = [s.name for s in plan]
     assert len(names) == len(set(names))
     assert ("lm_head.weight" in names) != arch.tie_word_embeddings
-    n_attn = sum(".self_attn.o_proj." in n for n in names)
+    n_attn = sum(".self_attn.o_proj." in n for n in names if not n.startswith("mtp."))
     assert n_attn == arch.layer_types.count("full_attention")
+    heads = {n.split(".")[2] for n in names if n.startswith("mtp.layers.")}
+    assert heads == {str(i) for i in range(arch.mtp_num_hidden_layers)} == {"0"}
+    assert "mtp.fc.weight" in names and "mtp.norm.weight" in names
     assert all(np.prod(s.shape) > 0 for s in plan)
 
 

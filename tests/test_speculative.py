@@ -31,10 +31,10 @@ PROMPT = [9707, 11, 1879, 0, 3555, 525, 498, 30, 151645, 198, 151644, 77091, 198
 N = 16
 
 
-def _plain(model, ids, n, stop_ids=()):
+def _plain(model, ids, n, stop_ids=(), params=None):
     caches = model.make_caches()
     logits, _ = prefill(model, caches, ids, 0)
-    return list(decode(model, caches, logits, Sampler(SamplingParams()), max_tokens=n,
+    return list(decode(model, caches, logits, Sampler(params or SamplingParams()), max_tokens=n,
                        stop_ids=stop_ids, history=list(ids)))  # fmt: skip
 
 
@@ -144,17 +144,74 @@ def test_lookup_drafts_on_a_repeated_prompt_and_keeps_the_output(tiny, truth):
     _assert_holds(model, caches, ids + out[:-1], out[-1])
 
 
+# Penalties that bite on tiny's random weights (its greedy answers never repeat a token, so
+# positive penalties change nothing there): a boost for a token seen once that turns into a
+# penalty from its second use (answers come in pairs), a repetition boost over the prompt
+# and the answer, and the checkpoint's default presence penalty as the CLI and server apply it.
+PENALTIES = [
+    SamplingParams(presence_penalty=-2.0, frequency_penalty=1.0),
+    SamplingParams(repetition_penalty=0.3, repetition_window=16),
+    SamplingParams(presence_penalty=1.5),
+]
+
+
+@pytest.mark.parametrize("params", PENALTIES, ids=["presence-frequency", "repetition", "default"])
+@pytest.mark.parametrize("rate", [0.0, 0.4])
+def test_penalties_under_speculation_equal_plain_decoding(tiny, params, rate):
+    """Each verified position is penalized as if the drafts before it had been picked (their
+    counts differ per position), and the penalties then count exactly the tokens that stood."""
+    model = tiny.model
+    want = _plain(model, PROMPT, 16, params=params)
+    if params.presence_penalty < 0 or params.repetition_penalty < 1:
+        assert want != _plain(model, PROMPT, 16)  # the penalty changes the answer
+    caches, steps, stats = _speculate(model, InjectedDrafter(want, len(PROMPT), rate), 4, n=16,
+                                      params=params)  # fmt: skip
+    out = list(steps)
+    assert out == want
+    assert stats.accepted > 0 and (stats.accepted < stats.drafted) == (rate > 0)
+    _assert_holds(model, caches, PROMPT + out[:-1], out[-1])
+
+
+def test_a_thinking_budget_under_speculation_closes_where_plain_decoding_does(tiny):
+    from engine.runtime.thinking import ThinkingBudget
+
+    model, end = tiny.model, 151668  # any token: the budget forces it after 5 picks
+
+    def sampler():
+        return Sampler(SamplingParams(), [ThinkingBudget(5, end)])
+
+    caches = model.make_caches()
+    logits, _ = prefill(model, caches, PROMPT, 0)
+    want = list(decode(model, caches, logits, sampler(), max_tokens=12, stop_ids=(),
+                       history=list(PROMPT)))  # fmt: skip
+    assert want[5] == end
+    for rate in (0.0, 0.5):
+        caches = model.make_caches()
+        logits, _ = prefill(model, caches, PROMPT, 0)
+        stats = SpeculationStats()
+        out = list(speculative_decode(
+            model, caches, logits, sampler(), max_tokens=12, stop_ids=(), history=list(PROMPT),
+            drafter=InjectedDrafter(want, len(PROMPT), rate), policy=DraftLength(4, adaptive=False),
+            stats=stats,
+        ))  # fmt: skip
+        assert out == want and stats.accepted > 0
+
+
 class Oracle:
     """A drafter for session scripts: the fresh-prefill greedy continuation of the prompt
-    (found from the first call's history), with rejections injected at `rate`."""
+    (found from the first call's history; with `params`, plain decoding's under them), with
+    rejections injected at `rate`."""
 
-    def __init__(self, eng, rate):
-        self.eng, self.rate, self.inner = eng, rate, None
+    def __init__(self, eng, rate, params=None):
+        self.eng, self.rate, self.params, self.inner = eng, rate, params, None
 
     def propose(self, history, k):
         if self.inner is None:
             prompt = list(history[:-1])
-            cont, _ = fresh_greedy(self.eng, prompt, 24)
+            if self.params is None:
+                cont, _ = fresh_greedy(self.eng, prompt, 24)
+            else:
+                cont = _plain(self.eng.model, prompt, 24, params=self.params)
             self.inner = InjectedDrafter(cont, len(prompt), self.rate, seed=len(prompt))
         return self.inner.propose(history, k)
 
@@ -192,13 +249,29 @@ def test_session_scripts_answer_as_a_fresh_prefill_does(spec_engine, drafter):
         assert st.tokens_per_verify > 1
 
 
+@pytest.mark.parametrize("params", [PENALTIES[0], PENALTIES[2]], ids=["biting", "default"])
+def test_session_turns_with_penalties_draft_and_answer_as_plain_decoding(spec_engine, params):
+    """The CLI's and server's default presence penalty no longer switches drafting off."""
+    eng = spec_engine
+    eng.speculative = Speculation(lambda: Oracle(eng, 0.3, params), 3, adaptive=False)
+    s = eng.session("You are terse.", max_exchanges=2)
+    p = {"presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty}
+    turns = [s.send(q, max_tokens=8, **p) for q in QUESTIONS[:3]]  # the third trims
+    turns.append(s.regenerate(max_tokens=8, **p))
+    for turn in turns:
+        want = _plain(eng.model, turn.prompt_ids, 8, stop_ids=eng.stop_ids, params=params)
+        assert turn.token_ids == [t for t in want if t not in eng.stop_ids]
+        assert turn.stats.drafted_tokens > 0 and turn.stats.accepted_tokens > 0
+
+
 def test_load_options_are_checked(tiny):
+    from engine.runtime.mtp import MTPDrafter
+
     assert isinstance(engine.engine.speculation("lookup", 2), Speculation)
+    assert engine.engine.speculation("mtp", 3).drafter is MTPDrafter
     assert engine.engine.speculation(None) is None
-    with pytest.raises(ValueError, match="speculative must be one of lookup, mtp or None"):
+    with pytest.raises(ValueError, match="speculative must be one of lookup, mtp, draft:NAME or"):
         engine.engine.speculation("medusa")
-    with pytest.raises(ValueError, match="mtp"):
-        engine.engine.speculation("mtp")
     with pytest.raises(ValueError, match="num_draft must be an integer from 1 to 8"):
         engine.engine.speculation("lookup", 0)
 
@@ -288,13 +361,6 @@ def test_the_server_answers_with_speculation_as_a_fresh_prefill_does(spec_engine
             assert r.choices[0].message.content == turn.text
             assert turn.token_ids == fresh_greedy(eng, turn.prompt_ids, 8)[0]
             assert turn.stats.drafted_tokens > 0
-
-
-def test_cli_refuses_an_unavailable_drafter_before_loading(capsys):
-    from engine.cli import main
-
-    assert main(["chat", "--speculative", "mtp", "-p", "hi"]) == 2
-    assert "speculative='mtp' is not available" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("rate", [0.0, 1.0])

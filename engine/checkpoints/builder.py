@@ -47,74 +47,91 @@ class TensorSpec:
 
 
 def tensor_plan(arch: Architecture) -> list[TensorSpec]:
-    """Every tensor of the text model, with the official names and shapes."""
+    """Every tensor of the text model and its MTP head, with the official names and shapes."""
     h, p = arch.hidden_size, "model.language_model."
     out_std = (2 * arch.num_hidden_layers) ** -0.5  # residual branches start small
-
-    def linear(name: str, n_out: int, n_in: int, scale: float = 1.0) -> TensorSpec:
-        return TensorSpec(name, (n_out, n_in), "normal", scale * n_in**-0.5)
-
     # Embeddings (and the LM head) use the config's initializer_range, as transformers does.
     specs = [TensorSpec(p + "embed_tokens.weight", (arch.vocab_size, h), "normal", INIT_RANGE)]
     for i, kind in enumerate(arch.layer_types):
-        lp = f"{p}layers.{i}."
-        if kind == "linear_attention":
-            a = lp + "linear_attn."
-            hv, dv = arch.linear_num_value_heads, arch.linear_value_head_dim
-            k = arch.linear_conv_kernel_dim
-            specs += [
-                linear(a + "in_proj_qkv.weight", arch.linear_conv_dim, h),
-                linear(a + "in_proj_z.weight", hv * dv, h),
-                linear(a + "in_proj_b.weight", hv, h),
-                linear(a + "in_proj_a.weight", hv, h),
-                TensorSpec(a + "conv1d.weight", (arch.linear_conv_dim, 1, k), "normal", k**-0.5),
-                TensorSpec(a + "dt_bias", (hv,), "dt_bias"),
-                TensorSpec(a + "A_log", (hv,), "a_log"),
-                TensorSpec(a + "norm.weight", (dv,), "one_norm"),
-                linear(a + "out_proj.weight", h, hv * dv, out_std),
-            ]
-        else:
-            a = lp + "self_attn."
-            nq, nkv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
-            specs += [
-                linear(a + "q_proj.weight", 2 * nq * d, h),  # query and output gate
-                linear(a + "k_proj.weight", nkv * d, h),
-                linear(a + "v_proj.weight", nkv * d, h),
-                linear(a + "o_proj.weight", h, nq * d, out_std),
-                TensorSpec(a + "q_norm.weight", (d,), "zero_norm"),
-                TensorSpec(a + "k_norm.weight", (d,), "zero_norm"),
-            ]
-        m = lp + "mlp."
-        if arch.is_moe:
-            e, inter, shared = (
-                arch.num_experts,
-                arch.moe_intermediate_size,
-                arch.shared_expert_intermediate_size,
-            )
-            specs += [
-                linear(m + "gate.weight", e, h),
-                TensorSpec(m + "experts.gate_up_proj", (e, 2 * inter, h), "normal", h**-0.5),
-                TensorSpec(m + "experts.down_proj", (e, h, inter), "normal", out_std * inter**-0.5),
-                linear(m + "shared_expert.gate_proj.weight", shared, h),
-                linear(m + "shared_expert.up_proj.weight", shared, h),
-                linear(m + "shared_expert.down_proj.weight", h, shared, out_std),
-                linear(m + "shared_expert_gate.weight", 1, h),
-            ]
-        else:
-            inter = arch.intermediate_size
-            specs += [
-                linear(m + "gate_proj.weight", inter, h),
-                linear(m + "up_proj.weight", inter, h),
-                linear(m + "down_proj.weight", h, inter, out_std),
-            ]
-        specs += [
-            TensorSpec(lp + "input_layernorm.weight", (h,), "zero_norm"),
-            TensorSpec(lp + "post_attention_layernorm.weight", (h,), "zero_norm"),
-        ]
+        specs += _layer_plan(arch, f"{p}layers.{i}.", kind, out_std)
     specs.append(TensorSpec(p + "norm.weight", (h,), "zero_norm"))
     if not arch.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.weight", (arch.vocab_size, h), "normal", INIT_RANGE))
+    # The multi-token prediction head, named as Qwen3.5 checkpoints name it: the target's
+    # hidden state and the next token's embedding, each normed, through `fc` (embedding
+    # first) into full-attention decoder layers, then `mtp.norm` and the shared LM head.
+    if arch.mtp_num_hidden_layers:
+        specs += [
+            _linear("mtp.fc.weight", h, 2 * h),
+            TensorSpec("mtp.pre_fc_norm_embedding.weight", (h,), "zero_norm"),
+            TensorSpec("mtp.pre_fc_norm_hidden.weight", (h,), "zero_norm"),
+        ]
+        for i in range(arch.mtp_num_hidden_layers):
+            specs += _layer_plan(arch, f"mtp.layers.{i}.", "full_attention", out_std)
+        specs.append(TensorSpec("mtp.norm.weight", (h,), "zero_norm"))
     return specs
+
+
+def _linear(name: str, n_out: int, n_in: int, scale: float = 1.0) -> TensorSpec:
+    return TensorSpec(name, (n_out, n_in), "normal", scale * n_in**-0.5)
+
+
+def _layer_plan(arch: Architecture, lp: str, kind: str, out_std: float) -> list[TensorSpec]:
+    """One decoder layer's tensors under the prefix `lp`."""
+    h, linear = arch.hidden_size, _linear
+    if kind == "linear_attention":
+        a = lp + "linear_attn."
+        hv, dv = arch.linear_num_value_heads, arch.linear_value_head_dim
+        k = arch.linear_conv_kernel_dim
+        specs = [
+            linear(a + "in_proj_qkv.weight", arch.linear_conv_dim, h),
+            linear(a + "in_proj_z.weight", hv * dv, h),
+            linear(a + "in_proj_b.weight", hv, h),
+            linear(a + "in_proj_a.weight", hv, h),
+            TensorSpec(a + "conv1d.weight", (arch.linear_conv_dim, 1, k), "normal", k**-0.5),
+            TensorSpec(a + "dt_bias", (hv,), "dt_bias"),
+            TensorSpec(a + "A_log", (hv,), "a_log"),
+            TensorSpec(a + "norm.weight", (dv,), "one_norm"),
+            linear(a + "out_proj.weight", h, hv * dv, out_std),
+        ]
+    else:
+        a = lp + "self_attn."
+        nq, nkv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        specs = [
+            linear(a + "q_proj.weight", 2 * nq * d, h),  # query and output gate
+            linear(a + "k_proj.weight", nkv * d, h),
+            linear(a + "v_proj.weight", nkv * d, h),
+            linear(a + "o_proj.weight", h, nq * d, out_std),
+            TensorSpec(a + "q_norm.weight", (d,), "zero_norm"),
+            TensorSpec(a + "k_norm.weight", (d,), "zero_norm"),
+        ]
+    m = lp + "mlp."
+    if arch.is_moe:
+        e, inter, shared = (
+            arch.num_experts,
+            arch.moe_intermediate_size,
+            arch.shared_expert_intermediate_size,
+        )
+        specs += [
+            linear(m + "gate.weight", e, h),
+            TensorSpec(m + "experts.gate_up_proj", (e, 2 * inter, h), "normal", h**-0.5),
+            TensorSpec(m + "experts.down_proj", (e, h, inter), "normal", out_std * inter**-0.5),
+            linear(m + "shared_expert.gate_proj.weight", shared, h),
+            linear(m + "shared_expert.up_proj.weight", shared, h),
+            linear(m + "shared_expert.down_proj.weight", h, shared, out_std),
+            linear(m + "shared_expert_gate.weight", 1, h),
+        ]
+    else:
+        inter = arch.intermediate_size
+        specs += [
+            linear(m + "gate_proj.weight", inter, h),
+            linear(m + "up_proj.weight", inter, h),
+            linear(m + "down_proj.weight", h, inter, out_std),
+        ]
+    return specs + [
+        TensorSpec(lp + "input_layernorm.weight", (h,), "zero_norm"),
+        TensorSpec(lp + "post_attention_layernorm.weight", (h,), "zero_norm"),
+    ]
 
 
 def parameter_count(arch: Architecture) -> int:
@@ -204,6 +221,8 @@ def hf_config(entry: ModelEntry, dtype: str) -> dict:
             "mrope_interleaved": True,
         },
         "tie_word_embeddings": a.tie_word_embeddings,
+        "mtp_num_hidden_layers": a.mtp_num_hidden_layers,
+        "mtp_use_dedicated_embeddings": False,
         "attn_output_gate": True,
         "attention_bias": False,
         "attention_dropout": 0.0,

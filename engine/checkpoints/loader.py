@@ -16,7 +16,7 @@ from .registry import Architecture, ModelEntry
 from .tokenizer import Tokenizer
 
 SUPPORTED_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-BUILD_VERSION = 2  # bump when the builder's output changes: rebuilds cached embedded models
+BUILD_VERSION = 3  # bump when the builder's output changes: rebuilds cached embedded models
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 
 
@@ -31,6 +31,7 @@ class Checkpoint:
     fingerprint: str  # identifies the weights: config, tensor headers and file sizes
     quantization: dict | None
     generation: dict = field(default_factory=dict)  # generation_config.json ({} if none)
+    mtp_tensors: int = 0  # how many `mtp.*` tensors the files hold (the MTP head; 0: none)
 
 
 def embedded_path(entry: ModelEntry) -> Path:
@@ -101,6 +102,7 @@ def _arch_from_config(text: dict, where: str) -> Architecture:
             num_experts_per_tok=text.get("num_experts_per_tok", 0),
             moe_intermediate_size=text.get("moe_intermediate_size", 0),
             shared_expert_intermediate_size=text.get("shared_expert_intermediate_size", 0),
+            mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0),
         )
     except KeyError as e:
         raise CheckpointError(f"{where}: missing field {e.args[0]!r}") from None
@@ -171,8 +173,11 @@ def inspect(path: Path, entry: ModelEntry | None = None) -> Checkpoint:
     text = config.get("text_config") or config
     arch = _arch_from_config(text, str(cfg_file))
     digest = hashlib.sha256(cfg_file.read_bytes())
+    mtp = 0
     for f in _weight_files(path):
-        digest.update(f.name.encode() + _safetensors_header(f) + str(f.stat().st_size).encode())
+        header = _safetensors_header(f)
+        digest.update(f.name.encode() + header + str(f.stat().st_size).encode())
+        mtp += sum(k.startswith(_MTP_PREFIXES) for k in json.loads(header))
     if not (path / "tokenizer.json").exists():
         raise CheckpointError(f"{path}: no tokenizer.json")
     variant = _template_variant(path)
@@ -194,20 +199,26 @@ def inspect(path: Path, entry: ModelEntry | None = None) -> Checkpoint:
     else:
         entry = replace(entry, arch=arch, template=variant or entry.template)
     quant = config.get("quantization") or config.get("quantization_config")
-    return Checkpoint(path, entry, digest.hexdigest()[:16], quant, read_generation_config(path))
+    return Checkpoint(path, entry, digest.hexdigest()[:16], quant, read_generation_config(path),
+                      mtp)  # fmt: skip
+
+
+_MTP_PREFIXES = ("mtp.", "model.mtp.")
 
 
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "U8": 1, "I8": 1}
 
 
-def weights_nbytes(ckpt: Checkpoint, itemsize: int, *, dequantize_quantized: bool) -> int:
+def weights_nbytes(ckpt: Checkpoint, itemsize: int, *, dequantize_quantized: bool,
+                   mtp: bool = False) -> int:  # fmt: skip
     """Bytes the loaded weights will take (from the files' headers; nothing is loaded):
-    floating tensors at `itemsize`, quantized ones as stored or, dequantized, at `itemsize`."""
+    floating tensors at `itemsize`, quantized ones as stored or, dequantized, at `itemsize`.
+    The MTP head (`mtp.*`) counts only with `mtp` (it is loaded only for speculation)."""
     bits = (ckpt.quantization or {}).get("bits", 4)
     total = 0
     for f in _weight_files(ckpt.path):
         for name, t in json.loads(_safetensors_header(f)).items():
-            if name == "__metadata__":
+            if name == "__metadata__" or (not mtp and name.startswith(_MTP_PREFIXES)):
                 continue
             n = 1
             for d in t["shape"]:
@@ -235,16 +246,17 @@ def load_weights(ckpt: Checkpoint, model, dtype, *, dequantize_quantized: bool) 
 
     from ..runtime.model import local_path, sanitize
 
+    mtp = getattr(model, "mtp", None) is not None  # the MTP head is kept only when it is built
     weights = {}
     for f in _weight_files(ckpt.path):
         try:
             weights.update(mx.load(str(f)))
         except Exception as e:
             raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
-    weights = sanitize(weights, ckpt.entry.arch)
+    weights = sanitize(weights, ckpt.entry.arch, mtp=mtp)
     if ckpt.quantization:
         q = ckpt.quantization
-        per_path = _per_path_quantization(q, local_path)
+        per_path = _per_path_quantization(q, lambda key: local_path(key, mtp=mtp))
 
         def quantized(path: str, module) -> bool | dict:
             # mlx-lm records per-module settings (e.g. the MoE router at 8 bits) beside the

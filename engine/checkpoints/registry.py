@@ -52,6 +52,8 @@ class Architecture:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # Multi-token prediction layers the checkpoint carries (`mtp.*`; every Qwen3.5 has one).
+    mtp_num_hidden_layers: int = 1
 
     @property
     def layer_types(self) -> list[str]:

@@ -107,3 +107,55 @@ class RecurrentCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.conv, self.state) if a is not None)
+
+
+class MTPCache(RecurrentCache):
+    """The cache of the MTP head (runtime.mtp): its attention layer's KV rows, and the
+    target's hidden state after the last position.
+
+    Row j of `kv` pairs the target's final hidden state at position j with the embedding of
+    token j+1 (RoPE position j), so after `offset` tokens it holds `offset - 1` rows: the row
+    of the last position needs the token after it, which the first draft step supplies.
+    `state` is the target's hidden state `[B, 1, H]` at position `offset - 1`. The rows trim
+    like any KV cache; the hidden state cannot be recomputed without the target, so it is
+    kept as a recurrent state is: `snapshot()` is `(None, state, offset)`, captured inside a
+    step where asked, and restoring one trims the rows to `offset - 1` (valid while the live
+    cache has not rewound below it, as for every KV cache: see runtime.snapshot).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.kv = KVCache()
+
+    def restore(self, snap: tuple[mx.array | None, mx.array | None, int]) -> None:
+        _, state, offset = snap
+        self.kv.restore(max(offset - 1, 0))
+        self.conv, self.state, self.offset = None, state, offset
+
+    def load_state(self, keys: mx.array | None, values: mx.array | None, state: mx.array | None,
+                   offset: int) -> None:  # fmt: skip
+        """Adopt rows `[B, Hkv, offset - 1, D]` (None for none) and the hidden state."""
+        self.kv = KVCache()
+        if keys is not None:
+            self.kv.load_state(keys, values)
+        if self.kv.offset != max(offset - 1, 0):
+            raise ValueError(f"an MTP cache at {offset} needs {max(offset - 1, 0)} rows, "
+                             f"got {self.kv.offset}")  # fmt: skip
+        self.conv, self.state, self.offset = None, state, offset
+
+    @property
+    def keys(self) -> mx.array | None:  # for generate.cache_arrays: evaluated with the rest
+        return self.kv.keys
+
+    @property
+    def values(self) -> mx.array | None:
+        return self.kv.values
+
+    @property
+    def rows(self) -> tuple[mx.array, mx.array] | None:
+        """The valid rows `[B, Hkv, offset - 1, D]` (keys, values), None if there are none."""
+        return self.kv.state
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + (self.state.nbytes if self.state is not None else 0)

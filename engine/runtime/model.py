@@ -19,7 +19,7 @@ import mlx.nn as nn
 from kernels import gated_delta
 
 from ..checkpoints.registry import Architecture
-from .cache import KVCache, RecurrentCache
+from .cache import KVCache, MTPCache, RecurrentCache
 
 
 @dataclass(frozen=True)
@@ -365,9 +365,13 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen35(nn.Module):
-    """The text model. `__call__(ids, caches)` advances the caches and returns logits."""
+    """The text model. `__call__(ids, caches)` advances the caches and returns logits.
 
-    def __init__(self, arch: Architecture, options: ModelOptions | None = None):
+    With `mtp`, the checkpoint's MTP head (runtime.mtp) is built too, and its cache rides
+    last in `make_caches()`: every pass keeps it in step with the target."""
+
+    def __init__(self, arch: Architecture, options: ModelOptions | None = None, *,
+                 mtp: bool = False):  # fmt: skip
         super().__init__()
         self.arch = arch
         options = options or ModelOptions()
@@ -376,9 +380,17 @@ class Qwen35(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if mtp:
+            from .mtp import MTPHead
+
+            if arch.mtp_num_hidden_layers != 1:
+                raise ValueError(f"MTP drafting supports one MTP layer; the config has "
+                                 f"mtp_num_hidden_layers={arch.mtp_num_hidden_layers}")  # fmt: skip
+            self.mtp = MTPHead(arch, options)
 
     def make_caches(self) -> list[KVCache | RecurrentCache]:
-        return [RecurrentCache() if layer.is_linear else KVCache() for layer in self.layers]
+        caches = [RecurrentCache() if layer.is_linear else KVCache() for layer in self.layers]
+        return caches + [MTPCache()] if "mtp" in self else caches
 
     def decode_rows(self, ids: mx.array, caches: list[list]) -> mx.array:
         """One token per row (`ids [B]`, row i's caches `caches[i]`, all past their first
@@ -391,10 +403,13 @@ class Qwen35(nn.Module):
 
     def hidden(self, ids: mx.array, caches: list) -> mx.array:
         """Run the layers on ids `[B, T]`; returns the final-normed hidden states `[B, T, H]`."""
-        x = self.embed_tokens(ids)
+        x = embeds = self.embed_tokens(ids)
         for layer, cache in zip(self.layers, caches):
             x = layer(x, cache)
-        return self.norm(x)
+        h = self.norm(x)
+        if len(caches) > len(self.layers):  # the MTP head's cache follows the target
+            self.mtp.advance(embeds, h, caches[len(self.layers)])
+        return h
 
     def logits(self, h: mx.array) -> mx.array:
         if self.arch.tie_word_embeddings:
@@ -408,30 +423,37 @@ class Qwen35(nn.Module):
 
 _NORM_SUFFIXES = (
     "input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight",
-    "k_norm.weight",
+    "k_norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight",
 )  # fmt: skip
 
 
-def local_path(key: str) -> str | None:
+_NORMS = ("norm.weight", "mtp.norm.weight")  # the target's final norm and the head's
+
+
+def local_path(key: str, *, mtp: bool = False) -> str | None:
     """A checkpoint's tensor or module path in this model's naming (None: not ours, e.g.
-    the vision tower or the MTP head). Shared by the weights and mlx-lm's per-path
-    quantization settings, which name modules the same way."""
-    if key.startswith(("model.visual", "vision_tower", "mtp.", "model.mtp")):
+    the vision tower, or the MTP head unless `mtp`). Shared by the weights and mlx-lm's
+    per-path quantization settings, which name modules the same way."""
+    if key.startswith(("model.visual", "vision_tower")):
         return None
+    if key.startswith(("mtp.", "model.mtp.")):
+        return "mtp." + key.split("mtp.", 1)[1] if mtp else None
     for prefix in ("model.language_model.", "language_model.model.", "language_model.", "model."):
         if key.startswith(prefix):
             return key[len(prefix) :]
     return key
 
 
-def sanitize(weights: dict[str, mx.array], arch: Architecture) -> dict[str, mx.array]:
-    """Map checkpoint tensors (Hub, transformers text-only, or mlx-lm layout) onto ours."""
+def sanitize(weights: dict[str, mx.array], arch: Architecture, *, mtp: bool = False
+             ) -> dict[str, mx.array]:  # fmt: skip
+    """Map checkpoint tensors (Hub, transformers text-only, or mlx-lm layout) onto ours; the
+    MTP head's (`mtp.*`) are kept only with `mtp`."""
     # The Hub layout stores the conv as [C, 1, K] and norms as offsets from 1; mlx-lm
     # conversions store [C, K, 1] and the norms with the 1 already added.
     hub_layout = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
     out = {}
     for key, value in weights.items():
-        key = local_path(key)
+        key = local_path(key, mtp=mtp)
         if key is None:
             continue
         if key == "lm_head.weight" and arch.tie_word_embeddings:
@@ -439,7 +461,7 @@ def sanitize(weights: dict[str, mx.array], arch: Architecture) -> dict[str, mx.a
         if key.endswith("conv1d.weight"):
             key = key.replace("conv1d.weight", "conv_weight")
             value = value[:, 0, :] if hub_layout else value[:, :, 0]
-        elif hub_layout and (key.endswith(_NORM_SUFFIXES) or key == "norm.weight"):
+        elif hub_layout and (key.endswith(_NORM_SUFFIXES) or key in _NORMS):
             value = value + 1.0
         if key.endswith("mlp.experts.gate_up_proj"):
             mid = value.shape[-2] // 2

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from .cache import KVCache
+from .cache import KVCache, MTPCache
 from .generate import eval_caches
 from .sequence import CachedSequence
 from .snapshot import tick
@@ -52,6 +52,10 @@ def fork(src: CachedSequence, pos: int, dst: CachedSequence) -> None:
     for d, s, layer in zip(dst.caches, src.caches, layers):
         if isinstance(d, KVCache):
             d.load_state(s.keys[:, :, :pos], s.values[:, :, :pos])
+        elif isinstance(d, MTPCache):  # its rows lag one position (see cache.MTPCache)
+            rows = None if s.keys is None or pos < 2 else (s.keys[:, :, : pos - 1],
+                                                           s.values[:, :, : pos - 1])  # fmt: skip
+            d.load_state(*(rows or (None, None)), layer[1], pos)
         else:
             d.restore(layer)
     eval_caches(dst.caches)  # materialize the copies now, before `src` moves on

@@ -11,9 +11,12 @@ probability the model gave it).
 
 Processors keep their state on the device where they can: the penalties count tokens in MLX
 arrays that each pick updates lazily (`advance`), so decoding still runs a step ahead of the
-host with them. A processor that needs the tokens read on the host (a grammar matcher that
-advances by accepted tokens) says so with `reads_history`: decoding then runs one step at a
-time (see `generate.decode`).
+host with them. They rebind those arrays and never write into them, so a state is saved and
+restored by reference (`save`/`restore`): speculative decoding processes each verified
+position as if the drafts before it had been picked, then keeps only the picks that stood
+(`Sampler.process_drafts`, `Sampler.stood`). A processor that needs the tokens read on the
+host (a grammar matcher that advances by accepted tokens) says so with `reads_history`:
+decoding then runs one step at a time (see `generate.decode`).
 """
 
 from __future__ import annotations
@@ -120,6 +123,14 @@ class LogitsProcessor:
     def accept(self, tokens: Sequence[int]) -> None:
         """Tokens that stood, read on the host (a grammar matcher advances here)."""
 
+    def save(self) -> dict:
+        """The device-side state, by reference (processors rebind their arrays, never write
+        into them; one that keeps host state it mutates sets `reads_history`)."""
+        return dict(vars(self))
+
+    def restore(self, state: dict) -> None:
+        vars(self).update(state)
+
 
 class RepetitionPenalty(LogitsProcessor):
     """Divide positive (multiply negative) logits of the last `window` tokens by `penalty`.
@@ -210,14 +221,50 @@ class Sampler:
 
     def sample(self, logits: mx.array, history: Sequence[int]) -> tuple[mx.array, mx.array]:
         """(the pick, the processed logits it was picked from: see `logprobs`)."""
-        if self._last is not None:
-            for p in self.processors:
-                p.advance(self._last)
+        self._advance()
         processed = self.process(logits, history)
         self._last = self.pick(processed)
         if self.top_logprobs is not None:
             self._record(logits, self._last)
         return self._last, processed
+
+    def _advance(self) -> None:
+        """Pass the previous pick to the processors (each waits until the next is needed)."""
+        if self._last is not None:
+            for p in self.processors:
+                p.advance(self._last)
+            self._last = None
+
+    def process_drafts(self, logits: mx.array, drafts: Sequence[int], history: Sequence[int]
+                       ) -> mx.array:  # fmt: skip
+        """A verify step's logits `[k+1, V]` through the processors: row i as plain decoding
+        would process it had `drafts[:i]` been picked (penalties count them). The processors
+        end as they began; `stood` then advances them by the picks that stand."""
+        self._advance()
+        if not self.processors:
+            return logits.astype(mx.float32)
+        saved = [p.save() for p in self.processors]
+        rows = []
+        for i in range(len(drafts) + 1):
+            rows.append(self.process(logits[i], [*history, *drafts[:i]]))
+            if i < len(drafts):
+                pick = mx.array(drafts[i], dtype=mx.uint32)  # as mx.argmax's picks are
+                for p in self.processors:
+                    p.advance(pick)
+        for p, state in zip(self.processors, saved):
+            p.restore(state)
+        return mx.stack(rows)
+
+    def stood(self, tokens: Sequence[int]) -> None:
+        """The tokens a verify step emitted, in order: the processors advance by each but the
+        last, which waits for the next pick as `sample`'s own picks do."""
+        self._advance()
+        for token in tokens[:-1]:
+            pick = mx.array(token, dtype=mx.uint32)
+            for p in self.processors:
+                p.advance(pick)
+        if tokens:
+            self._last = mx.array(tokens[-1], dtype=mx.uint32)
 
     def _record(self, logits: mx.array, token: mx.array) -> None:
         """Queue the model's logprob of `token` and the top alternatives (with the pick's

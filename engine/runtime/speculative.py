@@ -6,11 +6,14 @@ the model's argmax agrees with; sampling: the speculative sampling rule, so the 
 the target's distribution), and `step.rollback` trims the KV caches and restores the Gated
 DeltaNet conv and recurrent states to the last token that stands. Nothing is re-prefilled.
 
-Greedy output is token-for-token the plain loop's (`generate.decode`). A chain of logits
-processors (penalties, a grammar) keeps per-token state that a rejected draft would have to
-undo, so such samplers decode plainly. `DraftLength` picks k from the measured cost of a
-verify and the acceptance seen so far, and switches drafting off (the plain pipelined loop
-runs, with probes at growing intervals) when drafting does not pay.
+Greedy output is token-for-token the plain loop's (`generate.decode`), penalties included:
+each verified position is processed as if the drafts before it had been picked (a presence
+or repetition penalty counts them), and the processors then advance by the tokens that stood
+(`Sampler.process_drafts`, `Sampler.stood`). A grammar reads the tokens on the host and
+logprobs are recorded per pick, so such samplers decode plainly. `DraftLength` picks k from
+the measured cost of drafting and verifying and the acceptance seen so far, and switches
+drafting off (the plain pipelined loop runs, with probes at growing intervals) when it does
+not pay.
 """
 
 from __future__ import annotations
@@ -189,26 +192,31 @@ class Speculation:
 
     @staticmethod
     def applies(sampler: Sampler) -> bool:
-        """Whether `sampler` can verify drafts: no processor keeps per-token state, and no
-        logprobs are recorded (they are taken per pick, which a verify does not make)."""
-        return not sampler.processors and getattr(sampler, "top_logprobs", None) is None
+        """Whether `sampler` can verify drafts: no processor reads the tokens on the host (a
+        grammar matcher), and no logprobs are recorded (they are taken per pick, which a
+        verify does not make). Penalties and a thinking budget verify exactly."""
+        return not sampler.reads_history and getattr(sampler, "top_logprobs", None) is None
 
 
-def verify(sampler: Sampler, logits: mx.array, drafts: Sequence[int]) -> tuple[list, list]:
-    """(accept, fallback) for `drafts` from the step's logits `[k+1, V]`.
+def verify(sampler: Sampler, logits: mx.array, drafts: Sequence[int],
+           history: Sequence[int] = ()) -> tuple[list, list]:  # fmt: skip
+    """(accept, fallback) for `drafts` from the step's logits `[k+1, V]`, after `history`.
 
-    `accept[i]`: draft i stands if all before it do; `fallback[i]`: the model's token at
-    position i when draft i is rejected (`fallback[k]`: the token after all k). Greedy: the
-    argmax. Sampling, for a deterministic drafter: draft d stands with probability p(d), else
-    the token is drawn from p with d removed and renormalised; the emitted tokens then follow
-    the target's distribution exactly (Leviathan et al. 2023; Chen et al. 2023).
+    Each position's logits go through the sampler's processors as if the drafts before it
+    had been picked (`Sampler.process_drafts`). `accept[i]`: draft i stands if all before it
+    do; `fallback[i]`: the model's token at position i when draft i is rejected
+    (`fallback[k]`: the token after all k). Greedy: the argmax. Sampling, for a deterministic
+    drafter: draft d stands with probability p(d), else the token is drawn from p with d
+    removed and renormalised; the emitted tokens then follow the target's distribution
+    exactly (Leviathan et al. 2023; Chen et al. 2023).
     """
     k = len(drafts)
+    processed = sampler.process_drafts(logits, drafts, history)  # [k+1, V] float32
     if sampler.p.temperature == 0:
-        fallback = mx.argmax(logits.astype(mx.float32), axis=-1)
+        fallback = mx.argmax(processed, axis=-1)
         fallback = fallback.tolist()
         return [fallback[i] == drafts[i] for i in range(k)], fallback
-    final = mx.stack([sampler.final_logits(logits[i].astype(mx.float32)) for i in range(k + 1)])
+    final = mx.stack([sampler.final_logits(processed[i]) for i in range(k + 1)])
     d = mx.array(list(drafts), dtype=mx.int32)
     p_draft = mx.take_along_axis(mx.softmax(final[:k], axis=-1), d[:, None], axis=-1)[:, 0]
     is_draft = mx.arange(final.shape[-1])[None] == d[:, None]
@@ -246,6 +254,8 @@ def speculative_decode(
 
 def _speculate(model, caches, logits, sampler, max_tokens, stops, history, drafter, policy,
                stats) -> Iterator[int]:  # fmt: skip
+    if hasattr(drafter, "bind"):  # a drafter that reads the sequence's caches (MTP)
+        drafter.bind(model, caches)
     token = sampler(logits, history).item()
     history.append(token)
     sampler.accept((token,))
@@ -255,8 +265,8 @@ def _speculate(model, caches, logits, sampler, max_tokens, stops, history, draft
         # `token` is read and not fed; every token before it is in the caches.
         room = max_tokens - made
         k = min(policy.next(), room - 1)
+        t = time.perf_counter()  # drafting counts in a verify's cost (MTP: k head steps)
         drafts = drafter.propose(history, k) if k > 0 else []
-        t = time.perf_counter()
         if not drafts:  # the plain loop (pipelined) for a while, or one step
             m = min(room, policy.plain_tokens() if k == 0 else policy.after_empty())
             ((step_logits, _),) = forward(model, [Row(caches, [token])])
@@ -272,7 +282,7 @@ def _speculate(model, caches, logits, sampler, max_tokens, stops, history, draft
         k = len(drafts)
         row = Row(caches, [token, *drafts], logits=k + 1, keep=range(1, k + 1))
         ((step_logits, mark),) = forward(model, [row])
-        accept, fallback = verify(sampler, step_logits, drafts)
+        accept, fallback = verify(sampler, step_logits, drafts, history)
         n = 0
         while n < k and accept[n]:
             n += 1
@@ -283,6 +293,7 @@ def _speculate(model, caches, logits, sampler, max_tokens, stops, history, draft
         # Fed: the pending token and the drafts that stand (a stop draft is not fed).
         rollback(caches, mark, mark.start + n + (0 if stopped else 1))
         policy.record_verify(k, n, time.perf_counter() - t)
+        sampler.stood(standing)
         stats.drafted += k
         stats.accepted += n
         stats.verifies += 1

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..runtime.cache import KVCache, RecurrentCache
+from ..runtime.cache import KVCache, MTPCache, RecurrentCache
 from ..runtime.generate import cache_arrays
 from ..runtime.snapshot import Snapshot
 
@@ -110,6 +110,14 @@ def capture_state(seq, engine, pos: int | None = None) -> CapturedState:
             if c.state is not None:
                 put(f"kv.{i}.keys", c.state[0][:, :, : len(tokens)])
                 put(f"kv.{i}.values", c.state[1][:, :, : len(tokens)])
+        elif isinstance(c, MTPCache):  # the MTP head's rows (one fewer) and hidden state
+            kinds.append("mtp")
+            offsets.append(len(tokens))
+            rows = max(len(tokens) - 1, 0)
+            if c.rows is not None and rows:
+                put(f"mtp.{i}.keys", c.rows[0][:, :, :rows])
+                put(f"mtp.{i}.values", c.rows[1][:, :, :rows])
+            put(f"mtp.{i}.state", c.state if prefix is None else prefix[i][1])
         else:
             kinds.append("rec")
             conv, state, offset = (c.conv, c.state, c.offset) if prefix is None else prefix[i]
@@ -135,6 +143,10 @@ def capture_state(seq, engine, pos: int | None = None) -> CapturedState:
         "views": json.dumps(views),
     }
     return CapturedState(tensors, meta)
+
+
+def _kind(c) -> str:
+    return "kv" if isinstance(c, KVCache) else "mtp" if isinstance(c, MTPCache) else "rec"
 
 
 def read_header(data: bytes) -> dict:
@@ -175,7 +187,7 @@ def decode_state(data: bytes, engine, expected_key: str | None):
     if state_key(tokens) != expected_key:
         raise StateError("token ids do not match their key")
     caches = engine.model.make_caches()
-    expect = ["kv" if isinstance(c, KVCache) else "rec" for c in caches]
+    expect = [_kind(c) for c in caches]
     if kinds != expect or len(offsets) != len(caches) or any(o != n for o in offsets):
         raise StateError("layers or positions do not match this model and these tokens")
 
@@ -188,6 +200,12 @@ def decode_state(data: bytes, engine, expected_key: str | None):
             if k is None or v is None or k.shape[2] != n or v.shape[2] != n:
                 raise StateError(f"layer {i}: KV cache does not hold {n} positions")
             c.load_state(k, v)
+        elif isinstance(c, MTPCache):
+            k, v, st = get(f"mtp.{i}.keys"), get(f"mtp.{i}.values"), get(f"mtp.{i}.state")
+            rows = k.shape[2] if k is not None and v is not None else 0
+            if st is None or rows != max(n - 1, 0) or (v is not None and v.shape[2] != rows):
+                raise StateError(f"layer {i}: MTP cache does not hold {n} positions")
+            c.load_state(k, v, st, n)
         else:
             conv, st = get(f"rec.{i}.conv"), get(f"rec.{i}.state")
             if st is None:
