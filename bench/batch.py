@@ -16,7 +16,7 @@ import time
 
 
 def run(model: str, batches: list[int], context: int, steps: int, repeats: int) -> dict:
-    import engine  # before mlx: the fast BLAS loads first
+    import engine  # noqa: I001  (before mlx: the fast BLAS loads first)
     import mlx.core as mx
 
     from engine.runtime.generate import eval_caches, prefill

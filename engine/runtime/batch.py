@@ -140,4 +140,6 @@ def own_buffers(caches: list) -> None:
     batch's stacked arrays, which would keep the whole batch's states alive (and uncounted)."""
     for c in caches:
         if isinstance(c, RecurrentCache) and c.state is not None:
-            c.conv, c.state = mx.contiguous(c.conv), mx.contiguous(c.state)
+            c.state = mx.contiguous(c.state)
+            if c.conv is not None:
+                c.conv = mx.contiguous(c.conv)

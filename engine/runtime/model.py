@@ -396,10 +396,15 @@ class Qwen35(nn.Module):
         """One token per row (`ids [B]`, row i's caches `caches[i]`, all past their first
         token): the final-normed hidden states `[B, 1, H]`. Batched decoding: see
         `DecoderLayer.decode_rows`."""
-        x = self.embed_tokens(ids)[:, None]
+        x = embeds = self.embed_tokens(ids)[:, None]
         for i, layer in enumerate(self.layers):
             x = layer.decode_rows(x, [row[i] for row in caches])
-        return self.norm(x)
+        h = self.norm(x)
+        n = len(self.layers)
+        for i, row in enumerate(caches):  # the MTP head's cache follows each row's target
+            if len(row) > n:
+                self.mtp.advance(embeds[i : i + 1], h[i : i + 1], row[n])
+        return h
 
     def hidden(self, ids: mx.array, caches: list) -> mx.array:
         """Run the layers on ids `[B, T]`; returns the final-normed hidden states `[B, T, H]`."""
