@@ -224,6 +224,7 @@ def load(
     disk_cache_bytes: int | None = None,
     speculative: str | None = None,
     num_draft: int = 4,
+    shard: str | None = None,
 ) -> Engine:
     """Load a model: a models.yaml alias, a local checkpoint folder, or a Hub id.
 
@@ -241,8 +242,15 @@ def load(
     (default: 8 GiB or a tenth of the free space, the lesser); see `Engine.attach_disk`.
     `speculative="lookup"` drafts up to `num_draft` tokens by prompt lookup and verifies them
     in one step (greedy output unchanged; samplers with penalties or a grammar decode plainly).
+    `shard="pipeline"`, in every process of a group started by `mlx.launch`, splits the layers
+    over the processes (engine/runtime/shard.py): each loads only its layers. Rank 0 returns
+    the Engine; on the other ranks `load` serves rank 0 and exits the process when it is done.
     """
     spec = speculation(speculative, num_draft)
+    if shard not in (None, "pipeline"):
+        raise ValueError(f"shard must be 'pipeline' or None, got {shard!r}")
+    if shard and cache_dir is not None:
+        raise ValueError("cache_dir (the disk tier) is not available with shard='pipeline' yet")
     path, entry = resolve(model)
     ckpt = inspect(path, entry)
     name = dtype or ckpt.entry.compute_dtype.get(backend(), "float32")
@@ -261,8 +269,15 @@ def load(
     if quantize and cpu and ckpt.entry.arch.is_moe:
         raise ValueError("quantize= on a CPU supports dense models (MoE experts need float32)")
     dequantize = cpu and ckpt.entry.arch.is_moe  # dense quantized layers use kernels.native
+    link = select = None
+    if shard:
+        from .runtime import shard as sharding
+
+        options = {"dtype": name, "quantize": quantize, "chunked_delta": chunked_delta}
+        link = sharding.connect(ckpt, options)
+        select = sharding.selector(link)
     mem = memory.device_memory()
-    need = weights_nbytes(ckpt, _DTYPES[name].size, dequantize_quantized=dequantize)
+    need = weights_nbytes(ckpt, _DTYPES[name].size, dequantize_quantized=dequantize, select=select)
     if problem := memory.fits(need, mem):  # before loading: not a swap storm or a crash
         raise CheckpointError(f"{path}: {problem}")
     wired, warning = memory.wired_limit(need, mem)
@@ -270,8 +285,14 @@ def load(
         warnings.warn(warning, stacklevel=2)
     if wired:
         mx.set_wired_limit(wired)
-    net = Qwen35(ckpt.entry.arch, ModelOptions(chunked_delta=chunked_delta))
-    load_weights(ckpt, net, _DTYPES[name], dequantize_quantized=dequantize)
+    arch, model_options = ckpt.entry.arch, ModelOptions(chunked_delta=chunked_delta)
+    if link is None:
+        net = Qwen35(arch, model_options)
+    elif link.rank == 0:
+        net = sharding.PipelineModel(arch, model_options, link, _DTYPES[name])
+    else:
+        net = sharding.Stage(arch, model_options, link)
+    load_weights(ckpt, net, _DTYPES[name], dequantize_quantized=dequantize, select=select)
     if quantize:
         quantize_model(net, quantize)
     if cpu and (quantize or (ckpt.quantization and not dequantize)):
@@ -279,12 +300,16 @@ def load(
 
         native.module()  # build (once, into CHATML_HOME) or report the fallback now, not mid-turn
         use_cpu_kernels(net)
+    if link is not None and link.rank != 0:
+        sharding.follow(net, link)  # serves rank 0, then exits the process
     tok = load_tokenizer(path)
     stops = tuple(tok.token_id(t) for t in ckpt.entry.stop_tokens)
     if cache_bytes is None:
         cache_bytes = memory.default_budget(need, mem)
     eng = Engine(net, tok, ckpt.entry, ckpt, _DTYPES[name], stops, CacheBudget(cache_bytes))
     eng.speculative = spec
+    if link is not None:
+        sharding.attach(eng)
     if cache_dir is not None:
         eng.attach_disk(cache_dir, disk_cache_bytes)
         weakref.finalize(eng, eng.disk.close)  # its writes finish even if close() is not called
