@@ -67,6 +67,11 @@ class Engine:
     def fingerprint(self) -> str:
         return self.checkpoint.fingerprint
 
+    @property
+    def sharded(self) -> bool:
+        """True when the layers are split over a launched group (rank 0's engine)."""
+        return getattr(self.model, "link", None) is not None
+
     @contextmanager
     def foreground(self):
         """Hold the model for a user-facing computation, interrupting background work."""
@@ -114,6 +119,8 @@ class Engine:
         longest reusable prefix is there. Raises DiskCacheBusy if another process has it."""
         from .storage.disk_cache import DiskCache
 
+        if self.sharded:
+            raise ValueError("the disk cache is not available with shard='pipeline' yet")
         self.detach_disk()
         self.disk = DiskCache(self, directory, max_bytes, **options)
         self.budget.spill = self.disk.spill
@@ -300,8 +307,10 @@ def load(
 
         native.module()  # build (once, into CHATML_HOME) or report the fallback now, not mid-turn
         use_cpu_kernels(net)
-    if link is not None and link.rank != 0:
-        sharding.follow(net, link)  # serves rank 0, then exits the process
+    if link is not None:
+        sharding.ready(link)
+        if link.rank != 0:
+            sharding.follow(net, link)  # serves rank 0, then exits the process
     tok = load_tokenizer(path)
     stops = tuple(tok.token_id(t) for t in ckpt.entry.stop_tokens)
     if cache_bytes is None:

@@ -100,6 +100,7 @@ class Link:
         self.src, self.dst = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         self.lock = threading.Lock()  # one message exchange at a time on this rank
         self.sent_bytes = 0  # bytes this rank has sent (headers, hidden states)
+        self.broken: str | None = None  # why the ring failed (then nothing more is sent)
         self.last_sent = time.monotonic()
         self._deadline: float | None = None
         self._waiting_for = ""
@@ -121,7 +122,8 @@ class Link:
             def __exit__(self, kind, error, tb):
                 link._deadline = None
                 if isinstance(error, RuntimeError) and "[ring]" in str(error):
-                    raise ShardError(f"{link.who()}: {what} failed: a peer rank is gone ({error})")
+                    link.broken = f"{link.who()}: {what} failed: a peer rank is gone ({error})"
+                    raise ShardError(link.broken)
 
         return _Wait()
 
@@ -213,6 +215,13 @@ def connect(ckpt, options: dict) -> Link:
             f"engine version: launch the same command on every rank (this rank: {options})"
         )
     return link
+
+
+def ready(link: Link) -> None:
+    """Wait until every rank has loaded its weights (loading may take minutes: the bound is
+    ten times the usual one, at least 10 minutes)."""
+    with link.wait("for every rank to load its layers", max(10 * link.limit, 600.0)):
+        mx.eval(mx.distributed.all_sum(mx.array(1), group=link.group))
 
 
 def selector(link: Link):
@@ -397,7 +406,7 @@ class PipelineModel(nn.Module):
     def ping(self) -> None:
         """An idle rank 0 tells the followers it lives (and what they may free)."""
         with self._link.lock:
-            if self.stopped:
+            if self.stopped or self._link.broken:
                 return
             with self._link.wait("sending a heartbeat"):
                 self._link.send_message(OP_PING, next(self._seq), _releases())
@@ -405,13 +414,15 @@ class PipelineModel(nn.Module):
     def stop(self) -> None:
         """Tell the followers to exit (rank 0 is done). Later steps raise ShardError."""
         with self._link.lock:
-            if self.stopped:
+            if self.stopped or self._link.broken:
                 return
             self.stopped = True
             with self._link.wait("stopping the followers"):
                 self._link.send_message(OP_STOP, next(self._seq), [])
 
     def _check(self) -> None:
+        if self._link.broken:
+            raise ShardError(self._link.broken)
         if self.stopped:
             raise ShardError("the pipeline was stopped: its follower ranks have exited")
 
@@ -435,7 +446,7 @@ def heartbeat(model: PipelineModel, worker_of) -> None:
 
     def loop():
         pending = None
-        while not model.stopped:
+        while not model.stopped and not model.link.broken:
             time.sleep(every)
             worker = worker_of()
             if worker is None:

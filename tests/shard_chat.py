@@ -1,0 +1,108 @@
+"""A scripted chat for the sharding tests (tests/test_shard.py), run in one process or by every
+rank of a launched group: `python tests/shard_chat.py MODEL OUT [--shard pipeline] [--pause]
+[--sequential]`. Rank 0 writes OUT.json (per turn: tokens, counts, logprobs) and OUT.npz
+(the logits of a fresh prefill of each turn's prompt); the other ranks serve it and exit.
+
+`--pause` streams one long answer instead, printing ANSWERING after its first piece and
+waiting for a line on stdin before reading on (the tests kill or stop a rank there).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import engine  # first: the fast BLAS loads before mlx
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+QUESTIONS = [
+    "Hello! My order number is 48213.", "你好，今天天气怎么样？", "Tell me a story about a fox.",
+    "What is 17 times 23?", "ok",
+]  # fmt: skip
+TOOL_CALL = (
+    "Let me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n北京\n"
+    "</parameter>\n</function>\n</tool_call>"
+)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+MAX_TOKENS = 8
+
+
+class ToolCaller:
+    """A sampler that calls the tool, then stops (the random model never would)."""
+
+    reads_history = False
+
+    def __init__(self, eng):
+        self.ids = eng.tokenizer.encode(TOOL_CALL) + [eng.stop_ids[0]]
+        self.i = 0
+
+    def __call__(self, logits, recent):
+        self.i += 1
+        return mx.array(self.ids[min(self.i - 1, len(self.ids) - 1)])
+
+
+def run(eng) -> tuple[list[dict], list[np.ndarray]]:
+    """Plain turns, window trimming, regenerate, edit, a tool round and a stateless chat;
+    per turn what it produced and the logits of a fresh prefill of its prompt."""
+    import engine.session as session_module
+
+    turns = []
+    s = eng.session("You are a helpful assistant.", max_exchanges=2)
+    ask = {"max_tokens": MAX_TOKENS, "logprobs": True, "top_logprobs": 2}
+    for q in QUESTIONS[:4]:  # the third and fourth trim the window
+        turns.append(s.send(q, **ask))
+    turns.append(s.regenerate(**ask))
+    turns.append(s.edit_last(QUESTIONS[4], **ask))
+    original = session_module.Sampler
+    session_module.Sampler = lambda params: ToolCaller(eng)
+    try:
+        turns.append(s.send(QUESTIONS[1], max_tokens=200, tools=TOOLS))
+    finally:
+        session_module.Sampler = original
+    turns.append(s.send_tool_results(["sunny, 21 C"], max_tokens=MAX_TOKENS))
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    first = eng.chat(messages, max_tokens=MAX_TOKENS)
+    messages += [first.message(), {"role": "user", "content": QUESTIONS[3]}]
+    turns += [first, eng.chat(messages, max_tokens=MAX_TOKENS)]
+
+    def fresh(ids):
+        logits = eng.model(mx.array([ids]), eng.model.make_caches())[0, -1]
+        return np.array(logits.astype(mx.float32))
+
+    rows, logits = [], []
+    for t in turns:
+        rows.append({
+            "tokens": t.token_ids, "reused": t.stats.reused_tokens,
+            "prefilled": t.stats.prefilled_tokens, "cache_bytes": t.stats.cache_bytes,
+            "logprobs": [lp.logprob for lp in t.logprobs or []], "tool_calls": len(t.tool_calls),
+        })  # fmt: skip
+        logits.append(eng.worker.call(fresh, t.prompt_ids))
+    return rows, logits
+
+
+def pause(eng) -> None:
+    s = eng.session("You are a helpful assistant.")
+    for i, piece in enumerate(s.stream(QUESTIONS[2], max_tokens=4000)):
+        if i == 0:
+            print("ANSWERING", flush=True)
+            sys.stdin.readline()
+    print("FINISHED", flush=True)
+
+
+def main(argv: list[str]) -> None:
+    model, out = argv[0], Path(argv[1])
+    shard = "pipeline" if "--shard" in argv else None
+    eng = engine.load(model, shard=shard, chunked_delta="--sequential" not in argv)
+    if "--pause" in argv:
+        return pause(eng)
+    rows, logits = run(eng)
+    out.with_suffix(".json").write_text(json.dumps(rows))
+    np.savez(out.with_suffix(".npz"), *logits)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
