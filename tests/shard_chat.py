@@ -1,7 +1,7 @@
 """A scripted chat for the sharding tests (tests/test_shard.py), run in one process or by every
 rank of a launched group: `python tests/shard_chat.py MODEL OUT [--shard pipeline] [--pause]
-[--sequential]`. Rank 0 writes OUT.json (per turn: tokens, counts, logprobs) and OUT.npz
-(the logits of a fresh prefill of each turn's prompt); the other ranks serve it and exit.
+[--sequential] [--short]`. Rank 0 writes OUT.json (per turn: tokens, counts, logprobs) and OUT.npz
+(the logits of fresh prefills); the other ranks serve it and exit.
 
 `--pause` streams one long answer instead, printing ANSWERING after its first piece and
 waiting for a line on stdin before reading on (the tests kill or stop a rank there).
@@ -45,17 +45,37 @@ class ToolCaller:
         return mx.array(self.ids[min(self.i - 1, len(self.ids) - 1)])
 
 
-def run(eng) -> tuple[list[dict], list[np.ndarray]]:
-    """Plain turns, window trimming, regenerate, edit, a tool round and a stateless chat;
-    per turn what it produced and the logits of a fresh prefill of its prompt."""
+def run(eng, short: bool = False) -> tuple[list[dict], list[np.ndarray]]:
+    """Plain turns, window trimming, regenerate, edit, a tool round and a stateless chat
+    (`short`: the first four); per turn what it produced, and the logits of a fresh prefill
+    of the first and the last turn's prompts."""
     import engine.session as session_module
 
     turns = []
-    s = eng.session("You are a helpful assistant.", max_exchanges=2)
+    s = eng.session("You are a helpful assistant.", max_exchanges=1)
     ask = {"max_tokens": MAX_TOKENS, "logprobs": True, "top_logprobs": 2}
-    for q in QUESTIONS[:4]:  # the third and fourth trim the window
+    for q in QUESTIONS[:3]:  # the third drops the first exchange from the window
         turns.append(s.send(q, **ask))
     turns.append(s.regenerate(**ask))
+    if not short:
+        turns += _more(eng, s, ask, session_module)
+
+    def fresh(ids):
+        logits = eng.model(mx.array([ids]), eng.model.make_caches())[0, -1]
+        return np.array(logits.astype(mx.float32))
+
+    rows = []
+    for t in turns:
+        rows.append({
+            "tokens": t.token_ids, "reused": t.stats.reused_tokens,
+            "prefilled": t.stats.prefilled_tokens, "cache_bytes": t.stats.cache_bytes,
+            "logprobs": [lp.logprob for lp in t.logprobs or []], "tool_calls": len(t.tool_calls),
+        })  # fmt: skip
+    return rows, [eng.worker.call(fresh, t.prompt_ids) for t in (turns[0], turns[-1])]
+
+
+def _more(eng, s, ask, session_module) -> list:
+    turns = []
     turns.append(s.edit_last(QUESTIONS[4], **ask))
     original = session_module.Sampler
     session_module.Sampler = lambda params: ToolCaller(eng)
@@ -67,21 +87,7 @@ def run(eng) -> tuple[list[dict], list[np.ndarray]]:
     messages = [{"role": "user", "content": QUESTIONS[0]}]
     first = eng.chat(messages, max_tokens=MAX_TOKENS)
     messages += [first.message(), {"role": "user", "content": QUESTIONS[3]}]
-    turns += [first, eng.chat(messages, max_tokens=MAX_TOKENS)]
-
-    def fresh(ids):
-        logits = eng.model(mx.array([ids]), eng.model.make_caches())[0, -1]
-        return np.array(logits.astype(mx.float32))
-
-    rows, logits = [], []
-    for t in turns:
-        rows.append({
-            "tokens": t.token_ids, "reused": t.stats.reused_tokens,
-            "prefilled": t.stats.prefilled_tokens, "cache_bytes": t.stats.cache_bytes,
-            "logprobs": [lp.logprob for lp in t.logprobs or []], "tool_calls": len(t.tool_calls),
-        })  # fmt: skip
-        logits.append(eng.worker.call(fresh, t.prompt_ids))
-    return rows, logits
+    return turns + [first, eng.chat(messages, max_tokens=MAX_TOKENS)]
 
 
 def pause(eng) -> None:
@@ -99,7 +105,7 @@ def main(argv: list[str]) -> None:
     eng = engine.load(model, shard=shard, chunked_delta="--sequential" not in argv)
     if "--pause" in argv:
         return pause(eng)
-    rows, logits = run(eng)
+    rows, logits = run(eng, short="--short" in argv)
     out.with_suffix(".json").write_text(json.dumps(rows))
     np.savez(out.with_suffix(".npz"), *logits)
 

@@ -1,0 +1,169 @@
+"""Pipeline sharding (engine/runtime/shard.py): two ranks on localhost over MLX's ring backend
+answer exactly as one process does, and a rank that dies or hangs ends the other one in
+bounded time with a message saying so.
+
+The ranks are started here as `mlx.launch` starts them (a ring hostfile, MLX_RANK), without
+the launcher: it would kill the survivor itself, and the tests are about what the survivor
+does. Each run is tests/shard_chat.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import shard_chat
+
+import engine
+from engine.runtime import shard
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).with_name("shard_chat.py")
+WAIT = 240  # seconds a whole 2-rank run may take on a loaded 2-core machine
+
+
+def _hostfile(tmp_path: Path, n: int = 2) -> Path:
+    ports = []
+    for _ in range(n):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    return path
+
+
+def _launch(tmp_path: Path, args: list[str], env: dict | None = None, models=None):
+    """Start rank 0 and rank 1 of tests/shard_chat.py (rank 0's stdin is a pipe)."""
+    hosts = _hostfile(tmp_path)
+    procs = []
+    for rank in (0, 1):
+        model = (models or {}).get(rank, args[0])
+        e = {**os.environ, "MLX_HOSTFILE": str(hosts), "MLX_RANK": str(rank),
+             "PYTHONPATH": str(REPO), **(env or {}).get(rank, {})}  # fmt: skip
+        procs.append(subprocess.Popen(
+            [sys.executable, str(SCRIPT), model, *args[1:], "--shard"], env=e, text=True,
+            stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        ))  # fmt: skip
+    return procs
+
+
+def _finish(procs) -> list[tuple[int, str, str]]:
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=WAIT)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append((p.returncode, stdout, stderr))
+    return out
+
+
+def _compare(ref, tmp_path: Path, model: str, *flags: str) -> None:
+    """Run the scripted chat on 2 ranks; compare with `ref` (rows, logits) of one process."""
+    out = tmp_path / "two"
+    results = _finish(_launch(tmp_path, [model, str(out), *flags]))
+    for rank, (code, _, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{stderr[-3000:]}"
+    rows, logits = json.loads(out.with_suffix(".json").read_text()), np.load(out.with_suffix(".npz"))
+    want_rows, want_logits = ref
+    assert len(rows) == len(want_rows)
+    for i, (got, want) in enumerate(zip(rows, want_rows)):
+        for key in ("tokens", "reused", "prefilled", "cache_bytes", "tool_calls"):
+            assert got[key] == want[key], f"turn {i}: {key} {got[key]} != {want[key]}"
+        assert np.allclose(got["logprobs"], want["logprobs"], atol=1e-4, rtol=0), f"turn {i}"
+    for i, want in enumerate(want_logits):
+        assert np.abs(logits[f"arr_{i}"] - want).max() <= 1e-4, f"fresh-prefill logits {i}"
+
+
+def test_two_ranks_chat_exactly_as_one_process(tiny, tmp_path):
+    # Plain turns, trimming, regenerate, edit, a tool round, the stateless pool: greedy
+    # tokens, reused/prefilled counts and cache bytes identical, logits within 1e-4.
+    ref = shard_chat.run(engine.load("tiny"))  # a fresh engine: its pool starts empty
+    rows = ref[0]
+    assert rows[2]["reused"] < rows[1]["reused"] + rows[1]["prefilled"]  # the window trimmed
+    assert any(r["tool_calls"] for r in rows)
+    _compare(ref, tmp_path, "tiny")
+
+
+def test_two_ranks_mixture_of_experts(tiny_moe, tmp_path):
+    path = str(tiny_moe.path)
+    ref = shard_chat.run(engine.load(path, chunked_delta=False), short=True)
+    _compare(ref, tmp_path, path, "--sequential", "--short")
+
+
+def _answering(procs) -> None:
+    """Wait until rank 0 is in the middle of an answer (it printed ANSWERING and waits)."""
+    line = procs[0].stdout.readline()
+    assert line.strip() == "ANSWERING", procs[0].communicate(timeout=WAIT)[1][-3000:]
+
+
+def test_killed_follower_ends_rank_0_with_a_message(tiny, tmp_path):
+    procs = _launch(tmp_path, ["tiny", str(tmp_path / "x"), "--pause"])
+    _answering(procs)
+    procs[1].kill()
+    procs[0].stdin.write("go on\n")
+    procs[0].stdin.flush()
+    (code, stdout, stderr), _ = _finish(procs)
+    assert code != 0 and "FINISHED" not in stdout
+    assert "ShardError" in stderr and "a peer rank is gone" in stderr, stderr[-3000:]
+
+
+def test_killed_rank_0_ends_the_follower_with_a_message(tiny, tmp_path):
+    procs = _launch(tmp_path, ["tiny", str(tmp_path / "x"), "--pause"])
+    _answering(procs)
+    procs[0].kill()
+    _, (code, _, stderr) = _finish(procs)
+    assert code == shard.EXIT_LOST, stderr[-3000:]
+    assert "chatml shard rank 1 of 2" in stderr and "a peer rank is gone" in stderr
+
+
+def test_hung_follower_ends_rank_0_after_the_timeout(tiny, tmp_path):
+    # A stopped process keeps its sockets open: only the watchdog can tell.
+    env = {0: {"CHATML_SHARD_TIMEOUT": "5"}}
+    procs = _launch(tmp_path, ["tiny", str(tmp_path / "x"), "--pause"], env)
+    _answering(procs)
+    procs[1].send_signal(signal.SIGSTOP)
+    try:
+        procs[0].stdin.write("go on\n")
+        procs[0].stdin.flush()
+        code = procs[0].wait(timeout=WAIT)
+        stderr = procs[0].stderr.read()
+    finally:
+        procs[1].kill()
+        procs[1].wait(timeout=WAIT)
+    assert code == shard.EXIT_LOST, stderr[-3000:]
+    assert "waited 5 s" in stderr and "hangs or its machine is unreachable" in stderr
+
+
+def test_ranks_on_different_checkpoints_refuse(tiny, tiny_moe, tmp_path):
+    procs = _launch(tmp_path, ["tiny", str(tmp_path / "x")], models={1: str(tiny_moe.path)})
+    for code, _, stderr in _finish(procs):
+        assert code != 0
+        assert "the ranks disagree on the checkpoint" in stderr, stderr[-3000:]
+        assert tiny.fingerprint in stderr and tiny_moe.fingerprint in stderr
+
+
+def test_plan_splits_contiguous_ranges_last_layers_on_rank_0():
+    assert shard.plan(8, 2) == [range(4, 8), range(0, 4)]
+    assert shard.plan(24, 5) == [range(20, 24), range(15, 20), range(10, 15), range(5, 10),
+                                 range(0, 5)]  # fmt: skip
+    with pytest.raises(shard.ShardError, match="8 layers and cannot be split over 9 ranks"):
+        shard.plan(8, 9)
+
+
+def test_a_process_alone_cannot_shard(tiny):
+    with pytest.raises(shard.ShardError, match="this one is alone: start it with `mlx.launch"):
+        engine.load("tiny", shard="pipeline")
+    with pytest.raises(ValueError, match="shard must be 'pipeline' or None, got 'tensor'"):
+        engine.load("tiny", shard="tensor")
