@@ -13,10 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-import engine  # first: the fast BLAS loads before mlx
-
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
+import engine  # first: the fast BLAS loads before mlx (imported where used below)
 
 QUESTIONS = [
     "Hello! My order number is 48213.", "你好，今天天气怎么样？", "Tell me a story about a fox.",
@@ -41,14 +38,19 @@ class ToolCaller:
         self.i = 0
 
     def __call__(self, logits, recent):
+        import mlx.core as mx
+
         self.i += 1
         return mx.array(self.ids[min(self.i - 1, len(self.ids) - 1)])
 
 
-def run(eng, short: bool = False) -> tuple[list[dict], list[np.ndarray]]:
+def run(eng, short: bool = False) -> tuple[list[dict], list]:
     """Plain turns, window trimming, regenerate, edit, a tool round and a stateless chat
     (`short`: the first four); per turn what it produced, and the logits of a fresh prefill
     of the first and the last turn's prompts."""
+    import mlx.core as mx
+    import numpy as np
+
     import engine.session as session_module
 
     turns = []
@@ -92,7 +94,7 @@ def _more(eng, s, ask, session_module) -> list:
 
 def pause(eng) -> None:
     s = eng.session("You are a helpful assistant.")
-    for i, piece in enumerate(s.stream(QUESTIONS[2], max_tokens=4000)):
+    for i, _ in enumerate(s.stream(QUESTIONS[2], max_tokens=4000)):
         if i == 0:
             print("ANSWERING", flush=True)
             sys.stdin.readline()
@@ -105,6 +107,8 @@ def main(argv: list[str]) -> None:
     eng = engine.load(model, shard=shard, chunked_delta="--sequential" not in argv)
     if "--pause" in argv:
         return pause(eng)
+    import numpy as np
+
     rows, logits = run(eng, short="--short" in argv)
     out.with_suffix(".json").write_text(json.dumps(rows))
     np.savez(out.with_suffix(".npz"), *logits)

@@ -99,7 +99,7 @@ class Link:
         self.rank, self.size = group.rank(), group.size()
         self.src, self.dst = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         self.lock = threading.Lock()  # one message exchange at a time on this rank
-        self.sent_bytes = 0  # bytes this rank has sent (headers, hidden states)
+        self.sent_bytes = self.received_bytes = 0  # headers and hidden states, this rank
         self.broken: str | None = None  # why the ring failed (then nothing more is sent)
         self.last_sent = time.monotonic()
         self._deadline: float | None = None
@@ -158,6 +158,7 @@ class Link:
     def recv(self, shape, dtype, src: int | None = None) -> mx.array:
         x = mx.distributed.recv(shape, dtype, self.src if src is None else src, group=self.group)
         mx.eval(x)
+        self.received_bytes += x.nbytes
         return x
 
     def send_message(self, op: int, seq: int, payload: list[int]) -> None:
@@ -179,6 +180,9 @@ def fatal(message: str) -> None:
     os._exit(EXIT_LOST)
 
 
+joined: Link | None = None  # this process's place in its group, once `connect` ran
+
+
 def connect(ckpt, options: dict) -> Link:
     """Join the launched group, check every rank loads the same checkpoint with the same
     options, and plan the split. Raises ShardError on every rank when they disagree."""
@@ -192,7 +196,8 @@ def connect(ckpt, options: dict) -> Link:
         )
     arch = ckpt.entry.arch
     ranges = plan(arch.num_hidden_layers, group.size())
-    link = Link(group, ranges, timeout())
+    global joined
+    link = joined = Link(group, ranges, timeout())
     # 16 bytes of checkpoint fingerprint and 16 of the options' digest, from every rank.
     settings = repr(sorted(options.items())) + f"protocol={PROTOCOL}"
     mine = (
@@ -319,6 +324,7 @@ class PipelineModel(nn.Module):
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self._seq = itertools.count(1)
         self.steps = 0  # forward exchanges (a prefill chunk, a decode or verify step)
+        self.decode_steps = self.decode_bytes = 0  # one-token steps, bytes rank 0 moved for them
         self.stopped = False
 
     @property
@@ -354,6 +360,7 @@ class PipelineModel(nn.Module):
         payload, commit = self._forward_payload(remote, T, DTYPES.index(x.dtype))
         with self._link.lock:
             self._check()
+            moved = self._link.sent_bytes + self._link.received_bytes
             with self._link.wait("for the followers to take a step"):
                 self._link.send_message(OP_FORWARD, next(self._seq), payload)
                 self._link.send(x)
@@ -361,6 +368,9 @@ class PipelineModel(nn.Module):
                 h = self._link.recv(x.shape, x.dtype)
         commit()
         self.steps += 1
+        if T == 1:
+            self.decode_steps += 1
+            self.decode_bytes += self._link.sent_bytes + self._link.received_bytes - moved
         for layer, cache in zip(self.layers[self._start :], caches[self._start :]):
             h = layer(h, cache)
         return self.norm(h)
