@@ -73,7 +73,40 @@ def run(eng, short: bool = False) -> tuple[list[dict], list]:
             "prefilled": t.stats.prefilled_tokens, "cache_bytes": t.stats.cache_bytes,
             "logprobs": [lp.logprob for lp in t.logprobs or []], "tool_calls": len(t.tool_calls),
         })  # fmt: skip
+    if not short:
+        rows.append(eng.worker.call(_speculative, eng, turns[-1].prompt_ids))
     return rows, [eng.worker.call(fresh, t.prompt_ids) for t in (turns[0], turns[-1])]
+
+
+def _speculative(eng, prompt: list[int]) -> dict:
+    """Verify steps with drafts half of them wrong (kept states, rollbacks on every rank)."""
+    from engine.runtime.generate import decode, eval_caches, prefill
+    from engine.runtime.sampling import Sampler, SamplingParams
+    from engine.runtime.speculative import (
+        DraftLength,
+        InjectedDrafter,
+        SpeculationStats,
+        speculative_decode,
+    )
+
+    def start():
+        caches = eng.model.make_caches()
+        logits, _ = prefill(eng.model, caches, prompt, 0)
+        return caches, logits
+
+    caches, logits = start()
+    plain = list(decode(eng.model, caches, logits, Sampler(SamplingParams()), max_tokens=24,
+                        stop_ids=(), history=list(prompt)))  # fmt: skip
+    caches, logits = start()
+    stats = SpeculationStats()
+    drafter = InjectedDrafter(plain, len(prompt), reject_rate=0.5, seed=1)
+    out = list(speculative_decode(
+        eng.model, caches, logits, Sampler(SamplingParams()), max_tokens=24, stop_ids=(),
+        history=list(prompt), drafter=drafter, policy=DraftLength(3, adaptive=False), stats=stats,
+    ))  # fmt: skip
+    eval_caches(caches)
+    return {"tokens": out, "plain": plain, "accepted": stats.accepted, "drafted": stats.drafted,
+            "offset": caches[0].offset, "cache_bytes": sum(c.nbytes for c in caches)}  # fmt: skip
 
 
 def _more(eng, s, ask, session_module) -> list:

@@ -75,24 +75,31 @@ def _compare(ref, tmp_path: Path, model: str, *flags: str) -> None:
     results = _finish(_launch(tmp_path, [model, str(out), *flags]))
     for rank, (code, _, stderr) in enumerate(results):
         assert code == 0, f"rank {rank} failed:\n{stderr[-3000:]}"
-    rows, logits = json.loads(out.with_suffix(".json").read_text()), np.load(out.with_suffix(".npz"))
+    rows, logits = (
+        json.loads(out.with_suffix(".json").read_text()),
+        np.load(out.with_suffix(".npz")),
+    )
     want_rows, want_logits = ref
     assert len(rows) == len(want_rows)
     for i, (got, want) in enumerate(zip(rows, want_rows)):
-        for key in ("tokens", "reused", "prefilled", "cache_bytes", "tool_calls"):
+        assert set(got) == set(want)
+        for key in set(want) - {"logprobs"}:
             assert got[key] == want[key], f"turn {i}: {key} {got[key]} != {want[key]}"
-        assert np.allclose(got["logprobs"], want["logprobs"], atol=1e-4, rtol=0), f"turn {i}"
+        assert np.allclose(got.get("logprobs", []), want.get("logprobs", []), atol=1e-4, rtol=0)
     for i, want in enumerate(want_logits):
         assert np.abs(logits[f"arr_{i}"] - want).max() <= 1e-4, f"fresh-prefill logits {i}"
 
 
 def test_two_ranks_chat_exactly_as_one_process(tiny, tmp_path):
-    # Plain turns, trimming, regenerate, edit, a tool round, the stateless pool: greedy
-    # tokens, reused/prefilled counts and cache bytes identical, logits within 1e-4.
+    # Plain turns, trimming, regenerate, edit, a tool round, the stateless pool, speculative
+    # verify steps: greedy tokens, reused/prefilled counts and cache bytes identical, logits
+    # within 1e-4.
     ref = shard_chat.run(engine.load("tiny"))  # a fresh engine: its pool starts empty
     rows = ref[0]
     assert rows[2]["reused"] < rows[1]["reused"] + rows[1]["prefilled"]  # the window trimmed
-    assert any(r["tool_calls"] for r in rows)
+    assert any(r.get("tool_calls") for r in rows)
+    spec = rows[-1]  # speculative decoding: verify steps, kept states, rollbacks
+    assert spec["tokens"] == spec["plain"] and 0 < spec["accepted"] < spec["drafted"]
     _compare(ref, tmp_path, "tiny")
 
 
@@ -167,3 +174,26 @@ def test_a_process_alone_cannot_shard(tiny):
         engine.load("tiny", shard="pipeline")
     with pytest.raises(ValueError, match="shard must be 'pipeline' or None, got 'tensor'"):
         engine.load("tiny", shard="tensor")
+
+
+def test_each_rank_loads_only_its_tensors(tiny):
+    from types import SimpleNamespace
+
+    from engine.checkpoints.loader import load_weights, weights_nbytes
+    from engine.runtime.model import ModelOptions
+
+    ckpt, ranges = tiny.checkpoint, shard.plan(tiny.entry.arch.num_hidden_layers, 2)
+    links = [SimpleNamespace(rank=r, ranges=ranges) for r in (0, 1)]
+    sizes = [weights_nbytes(ckpt, 4, dequantize_quantized=False, select=shard.selector(x))
+             for x in links]  # fmt: skip
+    assert sum(sizes) == weights_nbytes(ckpt, 4, dequantize_quantized=False)
+    embed = tiny.entry.arch.vocab_size * tiny.entry.arch.hidden_size * 4
+    assert sizes[0] > embed > sizes[1] > 0  # the embedding (tied head) is rank 0's alone
+    stage = shard.Stage(tiny.entry.arch, ModelOptions(), links[1])
+    load_weights(
+        ckpt, stage, tiny.dtype, dequantize_quantized=False, select=shard.selector(links[1])
+    )
+    from mlx.utils import tree_flatten
+
+    names = [k for k, _ in tree_flatten(stage.parameters())]
+    assert names and all(int(k.split(".")[1]) in ranges[1] for k in names)
