@@ -1,6 +1,6 @@
 """A scripted chat for the sharding tests (tests/test_shard.py), run in one process or by every
 rank of a launched group: `python tests/shard_chat.py MODEL OUT [--shard pipeline] [--pause]
-[--sequential] [--short]`. Rank 0 writes OUT.json (per turn: tokens, counts, logprobs) and OUT.npz
+[--sequential] [--short] [--budget BYTES]`. Rank 0 writes OUT.json (per turn: tokens, counts, logprobs) and OUT.npz
 (the logits of fresh prefills); the other ranks serve it and exit.
 
 `--pause` streams one long answer instead, printing ANSWERING after its first piece and
@@ -109,10 +109,38 @@ def _speculative(eng, prompt: list[int]) -> dict:
             "offset": caches[0].offset, "cache_bytes": sum(c.nbytes for c in caches)}  # fmt: skip
 
 
+class Failing:
+    """A sampler that fails at its third pick: the turn rolls back on every rank."""
+
+    reads_history = False
+
+    def __init__(self, real):
+        self.real, self.n = real, 0
+
+    def __call__(self, logits, recent):
+        self.n += 1
+        if self.n == 3:
+            raise RuntimeError("injected failure")
+        return self.real(logits, recent)
+
+
 def _more(eng, s, ask, session_module) -> list:
     turns = []
     turns.append(s.edit_last(QUESTIONS[4], **ask))
     original = session_module.Sampler
+    session_module.Sampler = lambda params: Failing(original(params))
+    try:
+        s.send(QUESTIONS[2], max_tokens=MAX_TOKENS)
+        raise AssertionError("the injected failure did not happen")
+    except RuntimeError as e:
+        assert "injected failure" in str(e)
+    finally:
+        session_module.Sampler = original
+    stream = s.stream(QUESTIONS[3], max_tokens=MAX_TOKENS)  # interrupted after two pieces
+    next(stream), next(stream)
+    stream.close()
+    s.warm()  # idle-time prefill of the next prompt's known part
+    turns.append(s.send(QUESTIONS[0], **ask))
     session_module.Sampler = lambda params: ToolCaller(eng)
     try:
         turns.append(s.send(QUESTIONS[1], max_tokens=200, tools=TOOLS))
@@ -137,7 +165,9 @@ def pause(eng) -> None:
 def main(argv: list[str]) -> None:
     model, out = argv[0], Path(argv[1])
     shard = "pipeline" if "--shard" in argv else None
-    eng = engine.load(model, shard=shard, chunked_delta="--sequential" not in argv)
+    budget = int(argv[argv.index("--budget") + 1]) if "--budget" in argv else None
+    eng = engine.load(model, shard=shard, chunked_delta="--sequential" not in argv,
+                      cache_bytes=budget)  # fmt: skip
     if "--pause" in argv:
         return pause(eng)
     import numpy as np

@@ -103,7 +103,7 @@ class Link:
         self.broken: str | None = None  # why the ring failed (then nothing more is sent)
         self.last_sent = time.monotonic()
         self._deadline: float | None = None
-        self._waiting_for = ""
+        self._waiting_for, self._waiting_s = "", 0.0
         self._wake = threading.Event()
         threading.Thread(target=self._watch, name="chatml-shard-watchdog", daemon=True).start()
 
@@ -115,13 +115,15 @@ class Link:
 
         class _Wait:
             def __enter__(self):
-                link._waiting_for = what
-                link._deadline = time.monotonic() + (seconds or link.limit)
+                link._waiting_for, link._waiting_s = what, seconds or link.limit
+                link._deadline = time.monotonic() + link._waiting_s
                 link._wake.set()
 
             def __exit__(self, kind, error, tb):
                 link._deadline = None
-                if isinstance(error, RuntimeError) and "[ring]" in str(error):
+                # Only transfers run in here: MLX fails them with a RuntimeError when a peer's
+                # connection closes ("[ring] connection to a peer was lost").
+                if isinstance(error, RuntimeError) and not isinstance(error, ShardError):
                     link.broken = f"{link.who()}: {what} failed: a peer rank is gone ({error})"
                     raise ShardError(link.broken)
 
@@ -144,7 +146,7 @@ class Link:
                 continue
             if self._deadline == deadline:  # still the same wait: the peer hangs
                 fatal(
-                    f"{self.who()}: waited {self.limit:g} s {self._waiting_for}; the peer rank "
+                    f"{self.who()}: waited {self._waiting_s:g} s {self._waiting_for}; the peer rank "
                     "hangs or its machine is unreachable (CHATML_SHARD_TIMEOUT sets the limit)"
                 )
 
@@ -203,7 +205,7 @@ def connect(ckpt, options: dict) -> Link:
     mine = (
         ckpt.fingerprint.encode()[:16].ljust(16) + hashlib.sha256(settings.encode()).digest()[:16]
     )
-    with link.wait("for every rank to join"):
+    with link.wait("for every rank to join", max(10 * link.limit, 600.0)):
         everyone = mx.distributed.all_gather(mx.array(list(mine), dtype=mx.uint8), group=group)
         rows = bytes(everyone.tolist())
     rows = [rows[i : i + 32] for i in range(0, len(rows), 32)]
@@ -253,6 +255,7 @@ def _layers(arch: Architecture, mine: range, options: ModelOptions) -> list:
 _released: collections.deque[int] = collections.deque()  # handles rank 0 no longer holds
 _released_sets: collections.deque[int] = collections.deque()
 _ids = itertools.count(1)
+_count = {"made": 0, "released": 0}  # RemoteArrays made, and released in messages sent
 
 
 class RemoteArray:
@@ -262,6 +265,7 @@ class RemoteArray:
 
     def __init__(self, nbytes: int):
         self.id, self.nbytes = next(_ids), nbytes
+        _count["made"] += 1  # on the model thread only
 
     def __del__(self):
         _released.append(self.id)  # deque.append is atomic: any thread may drop the last ref
@@ -358,6 +362,7 @@ class PipelineModel(nn.Module):
         if x.dtype not in DTYPES:
             raise ShardError(f"hidden states in {x.dtype} cannot travel (one of {DTYPES})")
         payload, commit = self._forward_payload(remote, T, DTYPES.index(x.dtype))
+        mx.eval(x)  # its inputs (a sampled token) are computed here, not inside a transfer
         with self._link.lock:
             self._check()
             moved = self._link.sent_bytes + self._link.received_bytes
@@ -427,8 +432,10 @@ class PipelineModel(nn.Module):
             if self.stopped or self._link.broken:
                 return
             self.stopped = True
+            # What rank 0 still names: a follower holding more has missed a release.
+            payload = _releases() + [_count["made"] - _count["released"]]
             with self._link.wait("stopping the followers"):
-                self._link.send_message(OP_STOP, next(self._seq), [])
+                self._link.send_message(OP_STOP, next(self._seq), payload)
 
     def _check(self) -> None:
         if self._link.broken:
@@ -444,6 +451,7 @@ def _releases() -> list[int]:
         while queue:
             items.append(queue.popleft())
         out += [len(items), *items]
+    _count["released"] += out[0]
     return out
 
 
@@ -516,6 +524,8 @@ class Follower:
         self.stage, self.link = stage, link
         self.mine = link.ranges[link.rank]
         self.remote = range(0, link.ranges[0].start)  # the layers rank 0's message describes
+        kinds = stage.arch.layer_types
+        self.linear = {i for i in self.remote if kinds[i] == "linear_attention"}
         self.store: dict[int, mx.array] = {}
         self.kv: dict[int, dict[int, KVCache]] = {}
         self.expected = 1
@@ -532,11 +542,22 @@ class Follower:
             if link.dst != 0:  # pass it along the ring first: the next rank starts waiting
                 with link.wait(f"passing message {seq} to rank {link.dst}"):
                     link.send_message(op, seq, payload)
-            if op == OP_STOP:
-                return
             rest = self._release(payload)
+            if op == OP_STOP:
+                return self._check_held(rest[0])
             if op == OP_FORWARD:
                 self._forward(rest)
+
+    def _check_held(self, named: int) -> None:
+        """At the end, this rank holds exactly the states rank 0 still names (and its share
+        of them: with more ranks, each holds its layers' handles)."""
+        mine = sum(1 for layer in self.mine if layer in self.linear) * 2
+        total = sum(1 for layer in self.remote if layer in self.linear) * 2
+        if len(self.store) * total != named * mine:
+            raise ShardError(
+                f"{self.link.who()}: holds {len(self.store)} states at the end where rank 0 "
+                f"names {named * mine // max(total, 1)}: a release was lost"
+            )
 
     def _release(self, payload: list[int]) -> list[int]:
         n = payload[0]
@@ -590,8 +611,8 @@ class Follower:
                 kept += [conv, state]
             c.capture, c.captured = [], {}
         arrays = [a for c in kv.values() for a in (c.keys, c.values) if a is not None]
+        mx.eval(x, kept, arrays)
         with self.link.wait(f"sending a {T}-position step to rank {self.link.dst}"):
-            mx.eval(x, kept, arrays)
             self.link.send(x)
 
 
