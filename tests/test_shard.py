@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -202,3 +203,27 @@ def test_each_rank_loads_only_its_tensors(tiny):
 
     names = [k for k, _ in tree_flatten(stage.parameters())]
     assert names and all(int(k.split(".")[1]) in ranges[1] for k in names)
+
+
+def test_chat_cli_under_mlx_launch_answers_as_one_process(tiny, tmp_path):
+    # The documented entry point: `mlx.launch -n 2 --backend ring -- chatml chat --shard ...`.
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    if not launcher.exists():
+        pytest.skip("mlx.launch is not installed beside this interpreter")
+    ask = ["chat", "-p", "Hello! My order number is 48213.", "--max-tokens", "6", "--stats",
+           "--temperature", "0", "--presence-penalty", "0"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    one = subprocess.run([sys.executable, "-m", "engine.cli", *ask], capture_output=True,
+                         text=True, env=env, timeout=WAIT)  # fmt: skip
+    with socket.socket() as s:  # mlx.launch uses this port and the next
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = subprocess.run(
+        [str(launcher), "-n", "2", "--backend", "ring", "--starting-port", str(port), "--",
+         sys.executable, "-m", "engine.cli", *ask, "--shard", "pipeline"],
+        capture_output=True, text=True, env=env, timeout=WAIT, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    timings = re.compile(r"; ttft [^;]*; decode [^;]*;")  # counts kept, times dropped
+    assert "reused 0, prefilled" in one.stdout
+    assert timings.sub("", two.stdout) == timings.sub("", one.stdout)
