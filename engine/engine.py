@@ -298,7 +298,9 @@ def load(
     elif link.rank == 0:
         net = sharding.PipelineModel(arch, model_options, link, _DTYPES[name])
     else:
-        net = sharding.Stage(arch, model_options, link)
+        from .runtime.follower import Stage
+
+        net = Stage(arch, model_options, link)
     load_weights(ckpt, net, _DTYPES[name], dequantize_quantized=dequantize, select=select)
     if quantize:
         quantize_model(net, quantize)
@@ -310,7 +312,9 @@ def load(
     if link is not None:
         sharding.ready(link)
         if link.rank != 0:
-            sharding.follow(net, link)  # serves rank 0, then exits the process
+            from .runtime.follower import follow
+
+            follow(net, link)  # serves rank 0, then exits the process
     tok = load_tokenizer(path)
     stops = tuple(tok.token_id(t) for t in ckpt.entry.stop_tokens)
     if cache_bytes is None:

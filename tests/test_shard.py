@@ -186,6 +186,7 @@ def test_each_rank_loads_only_its_tensors(tiny):
     from types import SimpleNamespace
 
     from engine.checkpoints.loader import load_weights, weights_nbytes
+    from engine.runtime.follower import Stage
     from engine.runtime.model import ModelOptions
 
     ckpt, ranges = tiny.checkpoint, shard.plan(tiny.entry.arch.num_hidden_layers, 2)
@@ -195,7 +196,7 @@ def test_each_rank_loads_only_its_tensors(tiny):
     assert sum(sizes) == weights_nbytes(ckpt, 4, dequantize_quantized=False)
     embed = tiny.entry.arch.vocab_size * tiny.entry.arch.hidden_size * 4
     assert sizes[0] > embed > sizes[1] > 0  # the embedding (tied head) is rank 0's alone
-    stage = shard.Stage(tiny.entry.arch, ModelOptions(), links[1])
+    stage = Stage(tiny.entry.arch, ModelOptions(), links[1])
     load_weights(
         ckpt, stage, tiny.dtype, dequantize_quantized=False, select=shard.selector(links[1])
     )
