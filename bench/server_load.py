@@ -1,11 +1,14 @@
-"""Load test of `chatml serve`: `python -m bench.server_load [--clients 4 --turns 5 ...]`.
+"""Load test of `chatml serve`: `python -m bench.server_load [--clients 1,2,4,8 --turns 5 ...]`.
 
-Starts the server in-process on 127.0.0.1 (a free port) unless `--url` points at one, then
-runs `--clients` concurrent conversations of `--turns` turns each, streaming, every request
-resending the whole conversation (as OpenAI clients do). Bounded by request count and by
-`--time-limit` seconds. Reports requests/s, p50/p95 time to first token (first streamed
-chunk with text, measured at the client) and the share of prompt tokens served from the cache.
-Prints a table, then one JSON line.
+Starts the server in-process on 127.0.0.1 (a free port) unless `--url` points at one, then,
+for each count in `--clients`, runs that many concurrent conversations of `--turns` turns each,
+streaming, every request resending the whole conversation (as OpenAI clients do). Bounded by
+request count and by `--time-limit` seconds. Reports requests/s, aggregate and per-client
+decode tokens/s (completion tokens over the wall time), p50/p95 time to first token (first
+streamed chunk with text, measured at the client), the share of prompt tokens served from the
+cache, and the server's batch counters (mean and widest batch). `--max-batch 1` serves one
+request at a time (the baseline); `--url` of an `mlx_lm.server` measures that peer. Prints a
+table per count, then one JSON line each.
 """
 
 from __future__ import annotations
@@ -55,23 +58,21 @@ def _conversation(client, model, k, args, deadline, records, lock) -> None:
             })  # fmt: skip
 
 
-def run(args) -> dict:
+def run(args, clients: int, url: str | None = None, eng=None) -> dict:
     import openai
 
     server = None
-    url = args.url
     if url is None:
-        import engine
         from engine.serving.server import BackgroundServer, ServerConfig
 
-        eng = engine.load(args.model)
-        server = BackgroundServer(eng, ServerConfig(model=args.model, port=0)).start()
-        url = server.url
+        server = BackgroundServer(eng, ServerConfig(model=args.model, port=0, warm=False))
+        url = server.start().url
     client = openai.OpenAI(base_url=url + "/v1", api_key=args.api_key or "none", max_retries=0)
     # One warm-up request: first-call costs (kernels, allocations) are not load.
     client.chat.completions.create(
         model=args.model, messages=[{"role": "user", "content": "warm up"}], max_tokens=2
     )
+    batch_before = eng.batch_stats if eng is not None else None
     records: list[dict] = []
     lock = threading.Lock()
     start = time.perf_counter()
@@ -80,7 +81,7 @@ def run(args) -> dict:
         threading.Thread(
             target=_conversation, args=(client, args.model, k, args, deadline, records, lock)
         )
-        for k in range(args.clients)
+        for k in range(clients)
     ]
     for t in threads:
         t.start()
@@ -91,10 +92,18 @@ def run(args) -> dict:
         server.stop()
     ttft = [r["ttft_s"] for r in records]
     prompt = sum(r["prompt_tokens"] for r in records)
+    completion = sum(r["completion_tokens"] for r in records)
+    batch = {}
+    if batch_before is not None:
+        after = eng.batch_stats
+        steps = after["steps"] - batch_before["steps"]
+        batch = {"batched_steps": steps, "widest_batch": after["widest"],
+                 "mean_batch": round((after["rows"] - batch_before["rows"]) / max(steps, 1), 2)}  # fmt: skip
     return {
         "bench": "server_load",
         "model": args.model,
-        "clients": args.clients,
+        "max_batch": args.max_batch if eng is not None else None,
+        "clients": clients,
         "turns": args.turns,
         "max_tokens": args.max_tokens,
         "requests": len(records),
@@ -104,9 +113,21 @@ def run(args) -> dict:
         "ttft_p95_ms": round(_percentile(ttft, 0.95) * 1000, 1),
         "prompt_tokens": prompt,
         "cached_share": round(sum(r["cached_tokens"] for r in records) / max(prompt, 1), 3),
-        "completion_tokens": sum(r["completion_tokens"] for r in records),
+        "completion_tokens": completion,
+        "decode_tps": round(completion / elapsed, 2),
+        "per_client_tps": round(completion / elapsed / clients, 2),
+        **batch,
+        "uptime": _uptime(),
         "platform": f"{platform.system()} {platform.machine()}",
     }
+
+
+def _uptime() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return "load " + " ".join(f.read().split()[:3])
+    except OSError:
+        return ""
 
 
 def main() -> None:
@@ -114,17 +135,24 @@ def main() -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--url", default=None, help="a running server (default: start one here)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--clients", default="4", help="comma-separated concurrent client counts")
+    p.add_argument("--max-batch", type=int, default=8, help="the in-process server's batch")
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--time-limit", type=float, default=60.0, help="no new request after this")
     p.add_argument("--system", default="You are a helpful assistant. " * 20)
     p.add_argument("--question", default="please explain how the cache is reused. " * 4)
     args = p.parse_args()
-    result = run(args)
-    for key, value in result.items():
-        print(f"{key:>18}: {value}")
-    print(json.dumps(result))
+    eng = None
+    if args.url is None:
+        import engine
+
+        eng = engine.load(args.model, max_batch=args.max_batch)
+    for clients in (int(c) for c in args.clients.split(",")):
+        result = run(args, clients, args.url, eng)
+        for key, value in result.items():
+            print(f"{key:>18}: {value}")
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from .args import (
     number,
     sampling_overrides,
 )
+from .runtime.batch import DEFAULT_MAX_BATCH
 
 
 def _models(args) -> int:
@@ -276,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cached sequences kept for reuse")  # fmt: skip
     s.add_argument("--max-tokens", type=number(1), default=512,
                    help="answer limit if a request has none")  # fmt: skip
+    s.add_argument("--max-batch", type=number(1), default=DEFAULT_MAX_BATCH, metavar="N",
+                   help="requests decoded together in one forward pass per step (continuous "
+                        f"batching; 1: one at a time; default {DEFAULT_MAX_BATCH})")  # fmt: skip
     s.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="disk tier of the prefix cache: what leaves RAM, and everything at "
                         "shutdown (default: CHATML_HOME/prefix-cache)")  # fmt: skip

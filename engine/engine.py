@@ -24,6 +24,7 @@ from .checkpoints.loader import (
 from .checkpoints.registry import ModelEntry
 from .checkpoints.tokenizer import Tokenizer
 from .runtime import memory
+from .runtime.batch import DEFAULT_MAX_BATCH, Batch
 from .runtime.model import ModelOptions, Qwen35
 from .runtime.quantized import quantize_model, use_cpu_kernels
 from .runtime.snapshot import CacheBudget
@@ -58,6 +59,9 @@ class Engine:
     disk: object = field(default=None, repr=False)
     # Speculative decoding for every answer whose sampler allows it (None: plain decoding).
     speculative: Speculation | None = None
+    # Generations decoding together at most (continuous batching; 1: one after another).
+    max_batch: int = DEFAULT_MAX_BATCH
+    _batch: Batch | None = field(default=None, repr=False)
 
     @property
     def path(self) -> Path:
@@ -98,10 +102,37 @@ class Engine:
         """The engine's model-owner thread (started on first use): all MLX work runs there."""
         with self._worker_lock:
             if self._worker is None or not self._worker.alive:
-                self._worker = ModelThread(self.lock)
+                if self._batch is None:
+                    self._batch = Batch(self.model, self.max_batch)
+                self._worker = ModelThread(self.lock, batch=self._batch,
+                                           max_tasks=self.max_batch)  # fmt: skip
                 # Stopped when the engine goes away, or at exit: no MLX work outlives Python.
                 weakref.finalize(self, self._worker.stop)
             return self._worker
+
+    def set_max_batch(self, n: int) -> None:
+        """Decode at most `n` generations together (and start at most `n` at once)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {n!r}")
+        self.max_batch = n
+        if self._batch is not None:
+            self._batch.max_rows = n
+        if self._worker is not None:
+            self._worker.max_tasks = n
+            self._worker._wake.set()
+
+    def batch_here(self) -> Batch | None:
+        """The batch a generation running here files its decode steps with: inside a task's
+        turn on the model thread, else None (the steps run at once)."""
+        worker = self._worker
+        return worker.batch if worker is not None and worker.in_task() else None
+
+    @property
+    def batch_stats(self) -> dict:
+        """Decode steps run batched so far, the rows they carried, the widest batch."""
+        b = self._batch
+        return {"steps": b.steps, "rows": b.rows, "widest": b.widest} if b else {
+            "steps": 0, "rows": 0, "widest": 0}  # fmt: skip
 
     def close(self) -> None:
         """Stop the model thread (after its running job); a later call starts a new one.
@@ -231,6 +262,7 @@ def load(
     disk_cache_bytes: int | None = None,
     speculative: str | None = None,
     num_draft: int = 4,
+    max_batch: int = DEFAULT_MAX_BATCH,
     shard: str | None = None,
 ) -> Engine:
     """Load a model: a models.yaml alias, a local checkpoint folder, or a Hub id.
@@ -249,9 +281,12 @@ def load(
     (default: 8 GiB or a tenth of the free space, the lesser); see `Engine.attach_disk`.
     `speculative="lookup"` drafts up to `num_draft` tokens by prompt lookup and verifies them
     in one step (greedy output unchanged; samplers with penalties or a grammar decode plainly).
+    `max_batch`: how many concurrent generations (sessions, `Engine.chat` calls from several
+    threads, server requests) decode together in one forward pass per step.
     `shard="pipeline"`, in every process of a group started by `mlx.launch`, splits the layers
     over the processes (engine/runtime/shard.py): each loads only its layers. Rank 0 returns
     the Engine; on the other ranks `load` serves rank 0 and exits the process when it is done.
+    A sharded model steps its generations one row at a time (no batched decode pass yet).
     """
     spec = speculation(speculative, num_draft)
     if shard not in (None, "pipeline"):
@@ -321,6 +356,7 @@ def load(
         cache_bytes = memory.default_budget(need, mem)
     eng = Engine(net, tok, ckpt.entry, ckpt, _DTYPES[name], stops, CacheBudget(cache_bytes))
     eng.speculative = spec
+    eng.set_max_batch(max_batch)
     if link is not None:
         sharding.attach(eng)
     if cache_dir is not None:

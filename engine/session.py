@@ -29,6 +29,7 @@ from .constraints import (
     response_format_spec,
     thinking_budget,
 )
+from .runtime.batch import WAIT
 from .runtime.sampling import MAX_TOP_LOGPROBS, Sampler, SamplingParams
 from .runtime.sequence import CachedSequence, Progress
 from .runtime.worker import Job
@@ -401,6 +402,9 @@ class Session:
             )  # fmt: skip
             try:
                 for token in tokens:
+                    if token is WAIT:  # its row waits for a batched step: others run
+                        yield WAIT
+                        continue
                     piece = detok.add(token)
                     if piece:
                         pieces.append(piece)

@@ -23,9 +23,10 @@ from renderer import Prompt, PromptTooLong, SegmentCache, build_prompt, split_co
 
 from .checkpoints.tokenizer import StreamDecoder
 from .constraints import GrammarError, check_constraint, constraint_spec, make_sampler
+from .runtime.batch import WAIT
 from .runtime.pool import DEFAULT_SEQUENCES, PooledSequence, SequencePool
 from .runtime.sequence import Progress
-from .runtime.worker import Job
+from .runtime.worker import Job, WorkerStopped
 from .serving.completion import (
     ApiError,
     ChatRequest,
@@ -180,30 +181,20 @@ class StatelessChat:
         comes before the delta of the tokens it covers. `job.cancel()` stops it at the next
         token."""
 
-        def run(job: Job) -> None:
-            if job.cancelled.is_set():
-                emit(("error", ApiError(499, "the request was cancelled", code="cancelled")))
-                return
-            events = self.generate(prepared, warm=warm)
-            try:
-                while True:
-                    try:
-                        event = next(events)
-                    except StopIteration as done:
-                        outcome = ("done", done.value)
-                        break
-                    emit(event)
-                    if job.cancelled.is_set():  # the client went away
-                        events.close()
-                        outcome = ("error", ApiError(499, "the request was cancelled",
-                                                     code="cancelled"))  # fmt: skip
-                        break
-            except Exception as e:  # keep serving; the sequence has rolled back
-                log.exception("generation failed")
-                outcome = ("error", ApiError(500, f"generation failed: {e}", type="server_error"))
-            emit(outcome)
+        cancelled = ("error", ApiError(499, "the request was cancelled", code="cancelled"))
 
-        return self.engine.worker.submit(Job(run))
+        def end(kind: str, value) -> None:
+            if kind == "return":
+                emit(("done", value))
+            elif kind == "cancelled":  # the client went away; the generation has closed
+                emit(cancelled)
+            else:  # keep serving; the sequence has rolled back
+                if not isinstance(value, WorkerStopped):
+                    log.error("generation failed", exc_info=value)
+                emit(("error", ApiError(500, f"generation failed: {value}", type="server_error")))
+
+        # Runs interleaved with the other requests: their decode steps are batched.
+        return self.engine.worker.spawn(lambda: self.generate(prepared, warm=warm), emit, end)
 
     # ----- on the model thread ------------------------------------------------------------
 
@@ -229,6 +220,9 @@ class StatelessChat:
         sent = 0  # logprobs sent in events
         try:
             for token in tokens:
+                if token is WAIT:  # its row waits for a batched step: others run
+                    yield WAIT
+                    continue
                 if len(progress.tokens) == 1:
                     yield ("first", progress.reused)
                 if request.logprobs:

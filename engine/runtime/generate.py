@@ -8,7 +8,8 @@ token or the length limit.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import contextlib
+from collections.abc import Callable, Generator, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -35,12 +36,18 @@ def eval_caches(caches: list, *extra) -> None:
     mx.eval(cache_arrays(caches), *extra)
 
 
-def chunk_ends(start: int, end: int, chunk: int = PREFILL_CHUNK) -> list[int]:
-    """Chunk end positions covering (start, end], at most `chunk` apart."""
-    return list(range(start + chunk, end, chunk)) + ([end] if end > start else [])
+def prefill(model: Qwen35, caches: list, ids: Sequence[int], start: int, **options
+            ) -> tuple[mx.array | None, int]:  # fmt: skip
+    """Feed `ids[start:]` (see `prefill_chunks`); returns (last logits or None, position)."""
+    chunks = prefill_chunks(model, caches, ids, start, **options)
+    while True:
+        try:
+            next(chunks)
+        except StopIteration as done:
+            return done.value
 
 
-def prefill(
+def prefill_chunks(
     model: Qwen35,
     caches: list,
     ids: Sequence[int],
@@ -50,10 +57,12 @@ def prefill(
     on_stop: Callable[[int, list | None], None] | None = None,
     logits: bool = True,
     cancelled: Callable[[], bool] | None = None,
-    chunk: int = PREFILL_CHUNK,
-) -> tuple[mx.array | None, int]:
+    chunk: int | Callable[[], int] = PREFILL_CHUNK,
+) -> Generator[int, None, tuple[mx.array | None, int]]:
     """Feed `ids[start:]`; call `on_stop(pos, layers)` after reaching each position in `stops`.
 
+    Yields the position reached after each chunk but the last, so a caller can let other work
+    run between chunks (`chunk` may be a function: the size is decided before each chunk).
     `layers` is the per-layer state kept at `pos` inside a chunk (None: `pos` is the chunk's
     end, the live state). `cancelled()` is checked before each chunk: background work stops
     at a chunk boundary, with the caches consistent at the position reached. Returns the
@@ -63,9 +72,10 @@ def prefill(
     pos = start
     clear = clear_between_chunks(device_kind())
     out = None
-    for end in chunk_ends(start, len(ids), chunk):
+    while pos < len(ids):
         if cancelled is not None and cancelled():
             return None, pos
+        end = min(len(ids), pos + (chunk() if callable(chunk) else chunk))
         inside = sorted(s for s in stops if pos < s <= end)
         last = end == len(ids) and logits
         row = Row(caches, ids[pos:end], logits=int(last), keep=[s - pos for s in inside])
@@ -79,6 +89,8 @@ def prefill(
         if on_stop is not None:
             for s in inside:
                 on_stop(s, mark.kept.get(s))
+        if pos < len(ids):
+            yield pos
     return out, pos
 
 
@@ -108,12 +120,30 @@ def decode(
     the penalties keep their state on the device and run ahead.
 
     Every step's caches are queued with its token, and on every way out the caches are
-    evaluated here, on the thread that built them: nothing lazy outlives the call.
+    evaluated here, on the thread that built them: nothing lazy outlives the call. The steps
+    run at once, at batch 1; `batch.Batch.decode` runs the same loop with other rows.
     """
+    steps = decode_steps(caches, logits, sampler, max_tokens=max_tokens, stop_ids=stop_ids,
+                         history=history)  # fmt: skip
     try:
-        yield from _decode(model, caches, logits, sampler, max_tokens, stop_ids, history)
+        yield from run_steps(model, steps)
     finally:
         settle(caches, sampler)
+
+
+def run_steps(model, steps: Generator) -> Iterator[int]:
+    """Serve a `decode_steps` loop's step requests at once, yielding its tokens."""
+    with contextlib.closing(steps):
+        try:
+            item = next(steps)
+            while True:
+                if isinstance(item, Row):
+                    item = steps.send(forward(model, [item])[0])
+                else:
+                    yield item  # a consumer that stops here closes `steps` at its token
+                    item = next(steps)
+        except StopIteration:
+            return
 
 
 def settle(caches: list, sampler) -> None:
@@ -124,7 +154,10 @@ def settle(caches: list, sampler) -> None:
         mx.eval(sampler.key)
 
 
-def _decode(model, caches, logits, sampler, max_tokens, stop_ids, history) -> Iterator[int]:
+def decode_steps(caches, logits, sampler, *, max_tokens, stop_ids, history) -> Generator:
+    """The decode loop as a coroutine: it yields a `Row` when it needs a step (and is sent
+    back that row's `(logits, Mark)`), and yields each token (an int) as it is read. Whoever
+    runs it decides how steps are served: at once (`run_steps`) or batched with other rows."""
     ahead = not getattr(sampler, "reads_history", True)
     accept = getattr(sampler, "accept", None)
     y = sampler(logits, history)
@@ -132,7 +165,7 @@ def _decode(model, caches, logits, sampler, max_tokens, stop_ids, history) -> It
         last = i == max_tokens - 1
         mark = None
         if ahead and 0 < i and not last:
-            ((step_logits, mark),) = forward(model, [Row(caches, y.reshape(1))])
+            step_logits, mark = yield Row(caches, y.reshape(1))
             next_y = sampler(step_logits[-1], history)
             mx.async_eval(next_y, *cache_arrays(caches))
         token = y.item()
@@ -150,7 +183,7 @@ def _decode(model, caches, logits, sampler, max_tokens, stop_ids, history) -> It
                 rollback(caches, mark, mark.start)
             return
         if mark is None:
-            ((step_logits, _),) = forward(model, [Row(caches, (token,))])
+            step_logits, _ = yield Row(caches, (token,))
             y = sampler(step_logits[-1], history)
             mx.async_eval(y, *cache_arrays(caches))
         else:

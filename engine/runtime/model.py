@@ -203,21 +203,29 @@ class Attention(nn.Module):
         if mx.default_device() == mx.cpu:
             cos, sin = self._angles(T, offset, q.dtype)
             q, k = _rotate(q, self.rotary, cos, sin), _rotate(k, self.rotary, cos, sin)
+        elif isinstance(offset, mx.array) and offset.ndim == 1:  # one offset per row
+            q = mx.concatenate([self._rope(q[i : i + 1], offset[i]) for i in range(B)])
+            k = mx.concatenate([self._rope(k[i : i + 1], offset[i]) for i in range(B)])
         else:
-            q = mx.fast.rope(
-                q, self.rotary, traditional=False, base=self.theta, scale=1.0, offset=offset
-            )
-            k = mx.fast.rope(
-                k, self.rotary, traditional=False, base=self.theta, scale=1.0, offset=offset
-            )
+            q, k = self._rope(q, offset), self._rope(k, offset)
         return q, k, v, gate.reshape(B, T, -1)
+
+    def _rope(self, x: mx.array, offset: int | mx.array) -> mx.array:
+        return mx.fast.rope(
+            x, self.rotary, traditional=False, base=self.theta, scale=1.0, offset=offset
+        )
 
     def _angles(self, T: int, offset: int | mx.array, dtype: mx.Dtype):
         """cos and sin `[T, rotary/2]` of positions offset..offset+T-1, as MLX's CPU RoPE
         computes them (its CPU path is this very graph, built afresh for q and for k and
-        with the frequencies recomputed every call: ~60 nodes where this is ~15)."""
-        positions = mx.arange(T, dtype=mx.float32) + offset
-        theta = positions[:, None] * self._inv_freqs
+        with the frequencies recomputed every call: ~60 nodes where this is ~15). With one
+        offset per row (`[B]`, a batched decode step) they are `[B, 1, T, rotary/2]`."""
+        positions = mx.arange(T, dtype=mx.float32)
+        if isinstance(offset, mx.array) and offset.ndim == 1:
+            positions = (positions + offset[:, None].astype(mx.float32))[:, None]  # [B, 1, T]
+        else:
+            positions = positions + offset
+        theta = positions[..., None] * self._inv_freqs
         return mx.cos(theta).astype(dtype), mx.sin(theta).astype(dtype)
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache) -> mx.array:
@@ -296,6 +304,39 @@ class DecoderLayer(nn.Module):
         around its cache update and attention, whose shapes grow with every token. The
         layer's weights are the compiled functions' implicit inputs, so new weights need no
         recompilation."""
+        steps = self._compiled()
+        if self.is_linear:
+            h, conv, state = steps[0](x, cache.conv, cache.state)
+            cache.update(conv, state, 1)
+            return h
+        attention_in, attention_out = steps
+        q, k, v, gate = attention_in(x, mx.array(cache.offset))
+        return attention_out(x, self.self_attn.attend(q, k, v, cache), gate)
+
+    def decode_rows(self, x: mx.array, caches: list) -> mx.array:
+        """One token for each of B rows, `x [B, 1, H]`, each row with its own cache (`caches[i]`
+        of batch 1): the projections and the MLP run as one `[B, H]` product, which reads the
+        weights once for all rows. A Gated DeltaNet layer stacks the rows' conv tails and
+        states (fixed size); an attention layer attends per row over that row's own KV cache,
+        whatever its length. The same compiled functions as `_decode`, at batch B."""
+        steps = self._compiled()
+        if self.is_linear:
+            tails = mx.concatenate([c.conv for c in caches])
+            states = mx.concatenate([c.state for c in caches])
+            h, tails, states = steps[0](x, tails, states)
+            for i, c in enumerate(caches):
+                c.update(tails[i : i + 1], states[i : i + 1], 1)
+            return h
+        attention_in, attention_out = steps
+        offsets = mx.array([c.offset for c in caches])
+        q, k, v, gate = attention_in(x, offsets)
+        y = mx.concatenate([
+            self.self_attn.attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], c)
+            for i, c in enumerate(caches)
+        ])  # fmt: skip
+        return attention_out(x, y, gate)
+
+    def _compiled(self) -> tuple:
         if self._steps is None:
             if self.is_linear:
                 self._steps = (mx.compile(self._linear_step, inputs=self),)
@@ -304,13 +345,7 @@ class DecoderLayer(nn.Module):
                     mx.compile(self._attention_in, inputs=self),
                     mx.compile(self._attention_out, inputs=self),
                 )
-        if self.is_linear:
-            h, conv, state = self._steps[0](x, cache.conv, cache.state)
-            cache.update(conv, state, 1)
-            return h
-        attention_in, attention_out = self._steps
-        q, k, v, gate = attention_in(x, mx.array(cache.offset))
-        return attention_out(x, self.self_attn.attend(q, k, v, cache), gate)
+        return self._steps
 
     def _linear_step(self, x: mx.array, tail: mx.array, state: mx.array):
         x2 = x.reshape(x.shape[0], -1)  # [B, H]
@@ -344,6 +379,15 @@ class Qwen35(nn.Module):
 
     def make_caches(self) -> list[KVCache | RecurrentCache]:
         return [RecurrentCache() if layer.is_linear else KVCache() for layer in self.layers]
+
+    def decode_rows(self, ids: mx.array, caches: list[list]) -> mx.array:
+        """One token per row (`ids [B]`, row i's caches `caches[i]`, all past their first
+        token): the final-normed hidden states `[B, 1, H]`. Batched decoding: see
+        `DecoderLayer.decode_rows`."""
+        x = self.embed_tokens(ids)[:, None]
+        for i, layer in enumerate(self.layers):
+            x = layer.decode_rows(x, [row[i] for row in caches])
+        return self.norm(x)
 
     def hidden(self, ids: mx.array, caches: list) -> mx.array:
         """Run the layers on ids `[B, T]`; returns the final-normed hidden states `[B, T, H]`."""

@@ -43,7 +43,7 @@ def fork(src: CachedSequence, pos: int, dst: CachedSequence) -> None:
     `dst` shares `src`'s snapshots at or below `pos`, so the budget counts them twice: it errs
     on the safe side.
     """
-    if pos == len(src.tokens):
+    if pos == len(src.tokens) and not src.busy:
         layers = [c.snapshot() for c in src.caches]
     else:
         layers = src.snapshots[pos].layers
@@ -55,7 +55,7 @@ def fork(src: CachedSequence, pos: int, dst: CachedSequence) -> None:
         else:
             d.restore(layer)
     eval_caches(dst.caches)  # materialize the copies now, before `src` moves on
-    dst.tokens = list(src.tokens[:pos])
+    dst.tokens = src.prefix(pos)
     dst.snapshots = {p: snap for p, snap in src.snapshots.items() if p <= pos}
 
 
@@ -93,7 +93,7 @@ class SequencePool:
             pass
         elif best is None:
             seq = self._slot(exclude=None)
-        elif reuse >= best.protected:
+        elif reuse >= best.protected and not best.busy:
             seq = best
         else:
             seq = self._slot(exclude=best)
@@ -103,6 +103,11 @@ class SequencePool:
                 self.engine.budget.enforce(active=seq)
         seq.stamp = next(self._clock)
         seq.protected = generation_start if generation_start is not None else len(ids)
+        while len(self.sequences) > self.size:  # grown while all were busy: back to size
+            idle = [s for s in self.sequences if s is not seq and not s.busy]
+            if not idle:
+                break
+            self.sequences.remove(min(idle, key=lambda s: s.stamp))
         return seq
 
     def _from_disk(self, disk, entry, exclude) -> PooledSequence | None:
@@ -127,13 +132,14 @@ class SequencePool:
         self.sequences = sorted(self.sequences, key=lambda s: s.stamp)[-size:]
 
     def _slot(self, exclude: PooledSequence | None) -> PooledSequence:
-        """A new sequence while the pool has room, else the least recently used one."""
-        if len(self.sequences) < self.size:
+        """A new sequence while the pool has room, else the least recently used idle one
+        (over `size` while every sequence is busy generating: `resize` trims them later)."""
+        idle = [s for s in self.sequences if s is not exclude and not s.busy]
+        if len(self.sequences) < self.size or not idle:
             seq = PooledSequence(self.engine)
             self.sequences.append(seq)
             return seq
-        others = [s for s in self.sequences if s is not exclude] or self.sequences
-        return min(others, key=lambda s: s.stamp)
+        return min(idle, key=lambda s: s.stamp)
 
     @property
     def cache_bytes(self) -> int:

@@ -18,9 +18,16 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from . import snapshot
-from .generate import decode, eval_caches, prefill
+from .batch import BUSY_PREFILL_CHUNK, WAIT
+from .generate import PREFILL_CHUNK, decode, eval_caches, prefill, prefill_chunks
 from .sampling import Sampler
 from .speculative import SpeculationStats, speculative_decode
+
+
+def _chunk(batch) -> int:
+    """The next prefill chunk's size: smaller while other rows decode, so their stall per
+    chunk stays short."""
+    return BUSY_PREFILL_CHUNK if batch is not None and batch.pending else PREFILL_CHUNK
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -61,6 +68,9 @@ class CachedSequence:
         self.caches = engine.model.make_caches()
         self.snapshots: dict[int, snapshot.Snapshot] = {}
         self.filling: list[int] = []  # the ids being prefilled: snapshots past `tokens` lie on them
+        # Generating now (batched with others): its live caches run ahead of `tokens`, so only
+        # its snapshots may be shared, and the budget leaves its live caches alone.
+        self.busy = False
         self.last_used = snapshot.tick()
         engine.budget.register(self)
 
@@ -92,15 +102,19 @@ class CachedSequence:
         keep = set(positions)
         self.snapshots = {p: s for p, s in self.snapshots.items() if p in keep}
 
-    def reusable(self, ids: Sequence[int], *, need_logits: bool = True) -> int:
+    def reusable(self, ids: Sequence[int], *, need_logits: bool = True, own: bool = False
+                 ) -> int:  # fmt: skip
         """How many leading tokens of `ids` this sequence could restore without compute.
 
         With `need_logits`, the last token is always recomputed: its logits start the answer.
+        To others (not `own`), a busy sequence offers its snapshots only: its live caches are
+        moving, and its snapshots lie on the prompt it is answering.
         """
-        target = common_prefix(self.tokens, ids)
+        shared = self.busy and not own
+        target = common_prefix(self.filling if shared else self.tokens, ids)
         if need_logits:
             target = min(target, len(ids) - 1)
-        if len(self.tokens) <= target:
+        if len(self.tokens) <= target and not shared:
             return len(self.tokens)
         return max((p for p in self.snapshots if p <= target), default=0)
 
@@ -119,7 +133,9 @@ class CachedSequence:
         `ignore_eos` generates exactly `max_tokens` tokens (benchmarks: equal work per engine).
         """
         engine = self.engine
-        with engine.lock:
+        if self.busy:
+            raise RuntimeError("this sequence is generating already")
+        with engine.lock, self._busy():
             undo = progress.undo = _Undo(list(self.tokens), dict(self.snapshots), self._live())
             try:
                 progress.reused = undo.restored_at = self._restore(ids)
@@ -127,10 +143,18 @@ class CachedSequence:
                 progress.prefilled = len(ids) - progress.reused
                 t = time.perf_counter()
                 stops = sorted({p for p in stops if 0 < p <= len(ids)} | {len(ids)})
-                logits, _ = prefill(
+                batch = engine.batch_here()  # a task on the model thread: others run between
+                chunks = prefill_chunks(
                     engine.model, self.caches, ids, progress.reused, stops=stops,
-                    on_stop=self._snapshot,
+                    on_stop=self._snapshot, chunk=lambda: _chunk(batch),
                 )  # fmt: skip
+                while True:
+                    try:
+                        next(chunks)
+                    except StopIteration as done:
+                        logits, _ = done.value
+                        break
+                    yield WAIT
                 self.tokens = list(ids)
                 progress.prefill_s = time.perf_counter() - t
                 history = list(ids)
@@ -145,10 +169,14 @@ class CachedSequence:
                         policy=spec.policy, stats=progress.speculation,
                     )  # fmt: skip
                 else:
-                    loop = decode(engine.model, self.caches, logits, sampler,
-                                  max_tokens=max_tokens, stop_ids=stop_ids, history=history)  # fmt: skip
+                    run = decode if batch is None else batch.decode
+                    loop = run(engine.model, self.caches, logits, sampler,
+                               max_tokens=max_tokens, stop_ids=stop_ids, history=history)  # fmt: skip
                 with contextlib.closing(loop) as steps:
                     for token in steps:
+                        if token is WAIT:
+                            yield WAIT
+                            continue
                         now = time.perf_counter()
                         if progress.first_token_at is None:
                             progress.first_token_at, t = now, now
@@ -162,13 +190,12 @@ class CachedSequence:
                 # them (the last step's conv tails otherwise abort the process at exit).
                 eval_caches(self.caches)
                 # The caches hold every generated token but the last one (never fed back).
-                done = progress.tokens
-                self.tokens += done if progress.finish == "stop" else done[:-1]
+                self.tokens = self._held(ids, progress.tokens)
             except GeneratorExit:
-                # The consumer stopped reading mid-answer (a stop string, a disconnect). That is
-                # not a failure: the caches hold the prompt and every yielded token but the
-                # last, all valid. Callers that want no trace roll back with `progress.undo`.
-                self.tokens += progress.tokens[:-1]
+                # The consumer stopped reading mid-answer (a stop string, a disconnect), or
+                # mid-prefill. That is not a failure: the caches hold what they were fed, all
+                # valid. Callers that want no trace roll back with `progress.undo`.
+                self.tokens = self._held(ids, progress.tokens)
                 progress.finish = "cancelled"
                 eval_caches(self.caches)
                 self.last_used = snapshot.tick()
@@ -180,6 +207,19 @@ class CachedSequence:
                 raise
             self.last_used = snapshot.tick()
             engine.budget.enforce(active=self)
+
+    @contextlib.contextmanager
+    def _busy(self):
+        self.busy = True
+        try:
+            yield
+        finally:
+            self.busy = False
+
+    def _held(self, ids: list[int], generated: list[int]) -> list[int]:
+        """The ids the caches hold: as many of the prompt and the answer as they were fed
+        (a prefill stops at a chunk's end; the last token read is never fed back)."""
+        return (list(ids) + generated)[: self.caches[0].offset]
 
     def extend(
         self,
@@ -249,7 +289,7 @@ class CachedSequence:
 
     def _restore(self, ids: list[int], need_logits: bool = True) -> int:
         """Bring the caches to the deepest reusable position of `ids`; returns it."""
-        pos = self.reusable(ids, need_logits=need_logits)
+        pos = self.reusable(ids, need_logits=need_logits, own=True)
         if pos < len(self.tokens):
             if pos:
                 snapshot.restore(self.caches, self.snapshots[pos])

@@ -456,8 +456,9 @@ def _releases() -> list[int]:
 
 
 def heartbeat(model: PipelineModel, worker_of) -> None:
-    """Ping the followers from the engine's model thread whenever it is idle and the link
-    has been quiet for a while: `worker_of()` gives the engine's worker (None: stop)."""
+    """Ping the followers from the engine's model thread whenever the link has been quiet for
+    a while: `worker_of()` gives the engine's worker (None: stop). A ping is a plain job: it
+    runs between the turns of open generations too (one whose consumer stalls included)."""
     from .worker import Job
 
     every = max(model.link.limit / 8, 0.05)
@@ -470,7 +471,7 @@ def heartbeat(model: PipelineModel, worker_of) -> None:
             if worker is None:
                 return
             quiet = time.monotonic() - model.link.last_sent >= every
-            if quiet and worker.idle.is_set() and (pending is None or pending.done.is_set()):
+            if quiet and (pending is None or pending.done.is_set()):
                 try:
                     pending = worker.submit(Job(lambda job: model.ping()))
                 except RuntimeError:  # the worker stopped (engine closed): a new one comes

@@ -65,8 +65,9 @@ class CacheBudget:
     One recency order covers both: the least recently used item goes first. Evicting a snapshot
     only costs a longer prefill later; evicting an idle sequence's live cache drops that
     sequence's snapshots too (their KV part lived there), and its next prompt is prefilled
-    from scratch. The sequence being served keeps its live cache: a single conversation
-    larger than the budget still runs, with no snapshots.
+    from scratch. The sequences being served (`active`, and every `busy` one: batched
+    generations) keep their live caches: a single conversation larger than the budget still
+    runs, with no snapshots.
     """
 
     def __init__(self, max_bytes: int | None = None):
@@ -97,7 +98,7 @@ class CacheBudget:
             items = [(snap.last_used, s, pos) for s in sequences
                      for pos, snap in s.snapshots.items()]  # fmt: skip
             items += [(s.last_used, s, None) for s in sequences
-                      if s is not active and s.live_bytes]  # fmt: skip
+                      if s is not active and not getattr(s, "busy", False) and s.live_bytes]  # fmt: skip
             if not items:
                 return
             _, seq, pos = min(items, key=lambda item: item[0])

@@ -9,8 +9,8 @@ DeltaNet conv tail and state cannot be rewound, so the step records them where a
 one pass: the layer splits only its recurrence there). `accepted` is the acceptance rule: how
 many proposed tokens stand.
 
-Today a step runs its rows one after another at batch 1; batching stacks them into one pass
-here, and sharding wraps this function alone.
+Rows that each decode one token run as one batched pass (the scheduler in `batch.py` makes
+such steps); any other mix runs row by row at batch 1. Sharding wraps this function alone.
 """
 
 from __future__ import annotations
@@ -47,8 +47,11 @@ def forward(model, rows: list[Row]) -> list[tuple[mx.array | None, Mark]]:
     """Run one step for `rows`; per row, (logits `[logits, V]` or None, its Mark).
 
     Logits are lazy: the caller evaluates them with whatever it builds on top (sampling), so
-    the step and its pick are one graph.
+    the step and its pick are one graph. Rows that each decode one token (past their first)
+    run as one batched pass (`model.decode_rows`); any other mix runs row by row.
     """
+    if len(rows) > 1 and all(_decoding(row) for row in rows) and hasattr(model, "decode_rows"):
+        return _batched(model, rows)
     out = []
     for row in rows:
         ids = row.tokens if isinstance(row.tokens, mx.array) else mx.array(row.tokens)
@@ -76,6 +79,23 @@ def forward(model, rows: list[Row]) -> list[tuple[mx.array | None, Mark]]:
                 c.capture, c.captured = [], {}
         out.append((logits, mark))
     return out
+
+
+def _decoding(row: Row) -> bool:
+    n = row.tokens.size if isinstance(row.tokens, mx.array) else len(row.tokens)
+    return n == 1 and row.logits == 1 and row.caches[0].offset > 0
+
+
+def _batched(model, rows: list[Row]) -> list[tuple[mx.array, Mark]]:
+    """One decode step for every row in one pass: per row, logits `[1, V]` and its Mark."""
+    ids = mx.concatenate([
+        (r.tokens if isinstance(r.tokens, mx.array) else mx.array(r.tokens)).reshape(1)
+        for r in rows
+    ])  # fmt: skip
+    marks = [Mark(r.caches[0].offset, r.caches[0].offset + 1, [c.snapshot() for c in r.caches])
+             for r in rows]  # fmt: skip
+    logits = model.logits(model.decode_rows(ids, [r.caches for r in rows])[:, 0])
+    return [(logits[i : i + 1], mark) for i, mark in enumerate(marks)]
 
 
 def rollback(caches: list, mark: Mark, pos: int) -> None:

@@ -3,24 +3,34 @@
 MLX gives each thread its own default stream: a lazy array made on one thread cannot be
 evaluated on another, and a thread's stream is never freed (on Metal each is a command queue).
 So every computation on an engine's model (session turns, warm-up, the server's requests,
-state capture for the disk) runs as a `Job` on its `ModelThread`, in order, under
-`engine.lock`; callers get Python values back (token ids, text, numpy arrays).
+state capture for the disk) runs as a `Job` on its `ModelThread`, under `engine.lock`;
+callers get Python values back (token ids, text, numpy arrays).
 
-Three ways in: `call` runs a function and returns its result; `iterate` runs a generator there
-step by step for a consumer on another thread (the consumer's pace, so closing it stops the
-work at the next item); `submit` queues a job whose function reports by itself (the server).
-A job marked background (idle-time warm-up) yields at its next chunk to any queued job:
-`should_yield()`.
+Four ways in: `call` runs a function and returns its result; `submit` queues a job whose
+function reports by itself; `iterate` runs a generator there step by step for a consumer on
+another thread (the consumer's pace, so closing it stops the work at the next item); `spawn`
+runs a generator there at the thread's own pace, handing each item to a callback (the server).
+
+Generators run as tasks, interleaved: each gets a turn in order, and runs until it yields an
+item or `batch.WAIT` (its decode row waits for a step, or its prefill finished a chunk). After
+every round the thread runs one batched decode step for all the rows waiting (`batch.Batch`),
+so concurrent generations decode together. At most `max_tasks` run at once; more wait in
+order. A plain job runs whole when its turn comes; a background job (idle-time warm-up) waits
+until no task runs, and yields at its next chunk to any queued job: `should_yield()`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Generator
 from typing import Any, TypeVar
 
 import mlx.core as mx
+
+DEFAULT_MAX_TASKS = 8  # generations interleaved at once (the batch width they can reach)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -42,6 +52,7 @@ class Job:
         self.result: Any = None
         self.error: BaseException | None = None
         self.on_drop: Callable[[BaseException], None] | None = None  # told if never run
+        self.wake: Callable[[], None] | None = None  # wakes the thread it was submitted to
 
     def drop(self, error: BaseException) -> None:
         """End a job that will never run (the thread stopped first)."""
@@ -53,6 +64,8 @@ class Job:
     def cancel(self) -> None:
         """Ask the job to stop: it checks at its next token or chunk (or skips if not started)."""
         self.cancelled.set()
+        if self.wake is not None:
+            self.wake()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
@@ -76,13 +89,22 @@ class ModelThread:
     from a finalizer.
     """
 
-    def __init__(self, lock: threading.RLock, name: str = "chatml-model"):
+    def __init__(self, lock: threading.RLock, name: str = "chatml-model", *, batch=None,
+                 max_tasks: int = DEFAULT_MAX_TASKS):  # fmt: skip
+        if max_tasks < 1:
+            raise ValueError(f"max_tasks must be at least 1, got {max_tasks}")
         self.lock = lock
+        self.batch = batch  # batch.Batch: the decode rows the tasks file (None: no batching)
+        self.max_tasks = max_tasks
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.idle = threading.Event()  # set while waiting for a job with none queued
         self.stopping = threading.Event()
-        self._stream_owner: int | None = None  # the thread consuming the running `iterate`
-        self._link: _Link | None = None  # the running `iterate`'s link (stop closes it)
+        self._wake = threading.Event()  # something to do: a job, a consumer's request, a stop
+        self._tasks: list[_Task] = []  # running generators, in turn order
+        self._waiting: deque[_Task] = deque()  # started by their callers, over max_tasks
+        self._later: deque[Job] = deque()  # background jobs, until no task runs
+        self._stream_owners: set[int] = set()  # threads consuming an open `iterate`
+        self._turn: _Task | None = None  # the task whose turn it is
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -96,25 +118,33 @@ class ModelThread:
         return threading.current_thread() is self._thread
 
     def queued(self) -> int:
-        """Jobs waiting (not counting the running one)."""
-        return self.jobs.qsize()
+        """Jobs waiting to start (not counting those running)."""
+        return self.jobs.qsize() + len(self._waiting)
+
+    def running(self) -> int:
+        """Generators running now (interleaved)."""
+        return len(self._tasks)
 
     def should_yield(self) -> bool:
-        """True when background work should stop at its next chunk: a job waits, or we stop."""
-        return not self.jobs.empty() or self.stopping.is_set()
+        """True when background work should stop at its next chunk: a job waits, a task
+        runs, or we stop."""
+        return not self.jobs.empty() or bool(self._tasks) or self.stopping.is_set()
 
     # ----- submitting -----------------------------------------------------------------------
 
     def submit(self, job: Job) -> Job:
         if self.stopping.is_set():
             raise WorkerStopped("the engine's model thread has stopped (engine closed)")
-        if self._stream_owner == threading.get_ident():
-            # Its open stream holds the model thread, waiting for this thread: a deadlock.
+        if threading.get_ident() in self._stream_owners:
+            # Work behind its own open stream would see the model mid-answer (or, for a job
+            # that waits, never run before the stream moves on).
             raise RuntimeError(
                 "this thread has an unfinished stream on the engine: finish or close it before "
                 "starting other work on the model"
             )
+        job.wake = self._wake.set
         self.jobs.put(job)
+        self._wake.set()
         return job
 
     def call(self, fn: Callable[..., R], *args, **kwargs) -> R:
@@ -141,11 +171,13 @@ class ModelThread:
         on the model thread before returning, so its cleanup has run when the caller goes on.
         """
         if self.on_thread():
-            return (yield from make())
-        link = _Link(make, threading.get_ident(), self)
-        job = Job(link.serve)
+            return (yield from self._inline(make()))
+        link = _Link(self)
+        job = _Task(make, link.ready, link.reply, link.end)
         job.on_drop = lambda error: link.replies.put(("raise", error))
+        owner = threading.get_ident()
         self.submit(job)
+        self._stream_owners.add(owner)
         try:
             while True:
                 kind, value = link.ask()
@@ -156,26 +188,29 @@ class ModelThread:
                 else:
                     raise value
         finally:
+            self._stream_owners.discard(owner)
             link.finish(job)
+
+    def spawn(self, make: Callable[[], Generator], on_item: Callable[[Any], None],
+              on_end: Callable[[str, Any], None]) -> Job:  # fmt: skip
+        """Run the generator `make()` on the model thread at the thread's pace: `on_item(x)`
+        for each item, then `on_end("return", value)`, `on_end("raise", error)` or, after
+        `job.cancel()`, `on_end("cancelled", None)` (its cleanup has run). Both are called on
+        the model thread."""
+        job = _Task(make, lambda: True, on_item, on_end)
+        job.on_drop = lambda error: on_end("raise", error)
+        return self.submit(job)
 
     # ----- lifetime -------------------------------------------------------------------------
 
     def stop(self, timeout: float | None = 30.0) -> None:
-        """Stop after the running job (background work yields at once); queued jobs are dropped."""
+        """Stop after the running job (background work yields at once); queued jobs are
+        dropped, and running generators are closed (their consumers hear WorkerStopped)."""
         self.stopping.set()
         self.jobs.put(None)
-        link = self._link
-        if link is not None:  # an open stream whose consumer is gone (exit): close it
-            link.requests.put("close")
+        self._wake.set()
         if not self.on_thread():
             self._thread.join(timeout)
-
-    def _next(self) -> Job | None:
-        if self.jobs.empty():
-            self.idle.set()
-        job = self.jobs.get()
-        self.idle.clear()
-        return job
 
     def _loop(self) -> None:
         try:
@@ -187,69 +222,224 @@ class ModelThread:
             mx.clear_streams()
 
     def _serve(self) -> None:
-        while (job := self._next()) is not None:
-            if self.stopping.is_set():
-                job.drop(WorkerStopped("the engine's model thread stopped before this job ran"))
-                continue
-            job.started = True
+        while not self.stopping.is_set():
+            self._wake.clear()  # before looking: a request that comes after wakes the wait
+            busy = self._take_jobs()
+            for task in list(self._tasks):
+                busy |= self._advance(task)
+            if self.batch is not None and self.batch.pending:
+                with self.lock:
+                    self.batch.step()
+                busy = True
+            if not self._tasks and self._later and self.jobs.empty():
+                self._run(self._later.popleft())
+                busy = True
+            if not busy:
+                if not (self._tasks or self._waiting or self._later):
+                    self.idle.set()  # nothing started and nothing left: truly idle
+                self._wake.wait()
+                self.idle.clear()
+        for task in self._tasks:  # stopped under running generators: close them there
             with self.lock:
-                try:
-                    job.result = job.fn(job)
-                except BaseException as e:  # handed to the caller; the thread keeps serving
-                    job.error = e
-            job.done.set()
+                task.close(WorkerStopped("the engine's model thread stopped"))
         # Jobs queued behind the stop never run: tell their callers.
+        dropped = [*self._waiting, *self._later]
         while True:
             try:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 break
             if job is not None:
-                job.drop(WorkerStopped("the engine's model thread stopped before this job ran"))
+                dropped.append(job)
+        for job in dropped:
+            job.drop(WorkerStopped("the engine's model thread stopped before this job ran"))
+
+    def _take_jobs(self) -> bool:
+        """Start what was submitted: tasks join the round (up to max_tasks), plain jobs run
+        now, background jobs wait for a moment without tasks. True if anything started."""
+        started = False
+        for task in [t for t in self._waiting if t.cancelled.is_set()]:
+            self._waiting.remove(task)  # its consumer left before it started: end it now
+            self._start(task)
+        while self._waiting and len(self._tasks) < self.max_tasks:
+            started |= self._start(self._waiting.popleft())
+        while not self.stopping.is_set():
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                break
+            if isinstance(job, _Task):
+                if len(self._tasks) < self.max_tasks:
+                    started |= self._start(job)
+                else:
+                    self._waiting.append(job)
+            elif job.background and (self._tasks or self._waiting):
+                self._later.append(job)
+            else:
+                self._run(job)
+                started = True
+        return started
+
+    def _run(self, job: Job) -> None:
+        job.started = True
+        with self.lock:
+            try:
+                job.result = job.fn(job)
+            except BaseException as e:  # handed to the caller; the thread keeps serving
+                job.error = e
+        job.done.set()
+
+    def _start(self, task: _Task) -> bool:
+        task.started = True
+        with self.lock:
+            self._turn = task
+            try:
+                began = task.begin()
+            finally:
+                self._turn = None
+        if began:
+            self._tasks.append(task)
+        return began
+
+    def _inline(self, gen: Generator) -> Generator:
+        """A generator run inside the running job: its WAITs are served here."""
+        from .batch import WAIT
+
+        with contextlib.closing(gen):
+            try:
+                item = next(gen)
+                while True:
+                    if item is WAIT:
+                        if self.batch is not None and self.batch.pending:
+                            self.batch.step()
+                        item = next(gen)
+                    else:
+                        item = gen.send((yield item))
+            except StopIteration as stop:
+                return stop.value
+
+    def in_task(self) -> bool:
+        """True inside a task's turn on this thread: work there may yield `batch.WAIT`."""
+        return self._turn is not None and self.on_thread()
+
+    def _advance(self, task: _Task) -> bool:
+        """Give `task` its turn; True if it did anything."""
+        with self.lock:
+            self._turn = task
+            try:
+                progressed, finished = task.advance()
+            finally:
+                self._turn = None
+        if finished:
+            self._tasks.remove(task)
+        return progressed
+
+
+_STOPPED = "the stream was closed"
+
+
+class _Task(Job):
+    """A generator run on the model thread a piece at a time, interleaved with other tasks.
+
+    `ready()` says whether its consumer wants an item; `deliver(item)` hands one over;
+    `end(kind, value)` reports how it ended ("return", "raise" or "cancelled").
+    """
+
+    def __init__(self, make, ready, deliver, end):
+        super().__init__(lambda job: None)
+        self.make, self.ready, self.deliver, self.end = make, ready, deliver, end
+        self.gen: Generator | None = None
+
+    def begin(self) -> bool:
+        """Make the generator; False if the task ended before it began."""
+        if self.cancelled.is_set():
+            self._finish("cancelled", None)
+            return False
+        try:
+            self.gen = self.make()
+        except BaseException as e:
+            self._finish("raise", e)
+            return False
+        return True
+
+    def advance(self) -> tuple[bool, bool]:
+        """Run until an item is delivered, a WAIT, or the end: (progressed, finished)."""
+        from .batch import WAIT
+
+        if self.cancelled.is_set():
+            self.close(None)
+            return True, True
+        if not self.ready():
+            return False, False
+        try:
+            item = next(self.gen)
+        except StopIteration as stop:
+            self._finish("return", stop.value)
+            return True, True
+        except BaseException as e:
+            self._finish("raise", e)
+            return True, True
+        if item is WAIT:
+            return True, False
+        self.deliver(item)
+        return True, False
+
+    def close(self, error: BaseException | None) -> None:
+        """Close the generator here (its cleanup runs on this thread) and report the end."""
+        try:
+            if self.gen is not None:
+                self.gen.close()
+        except BaseException as e:  # the generator's cleanup failed
+            self._finish("raise", e)
+            return
+        self._finish("cancelled" if error is None else "raise", error)
+
+    def _finish(self, kind: str, value) -> None:
+        if self.done.is_set():
+            return
+        if kind == "return":
+            self.result = value
+        elif kind == "raise":
+            self.error = value
+        try:
+            self.end(kind, value)
+        finally:
+            self.done.set()
 
 
 class _Link:
     """The two queues between a generator on the model thread and its consumer elsewhere."""
 
-    def __init__(self, make: Callable[[], Generator], owner: int, worker: ModelThread):
-        self.make, self.owner, self.worker = make, owner, worker
-        self.requests: queue.Queue[str] = queue.Queue()
+    def __init__(self, worker: ModelThread):
+        self.worker = worker
+        self.asked = threading.Event()  # the consumer waits for an item
         self.replies: queue.Queue[tuple[str, Any]] = queue.Queue()
 
     def ask(self) -> tuple[str, Any]:
-        self.requests.put("next")
+        self.asked.set()
+        self.worker._wake.set()
         return self.replies.get()
 
-    def finish(self, job: Job) -> None:
+    def ready(self) -> bool:
+        return self.asked.is_set()
+
+    def reply(self, item) -> None:
+        self.asked.clear()  # before the reply: the consumer's next ask comes after it
+        self.replies.put(("yield", item))
+
+    def end(self, kind: str, value) -> None:
+        if kind == "return":
+            self.replies.put(("return", value))
+        elif kind == "raise":
+            self.replies.put(("raise", value))
+        else:  # a consumer that asks again (the thread was stopped under it) hears so
+            self.replies.put(("raise", WorkerStopped(_STOPPED)))
+
+    def finish(self, job: _Task) -> None:
         """The consumer is done: close the generator there (if still open) and wait for it."""
         job.cancel()
-        self.requests.put("close")
+        self.worker._wake.set()
         if not self.worker.on_thread():
             job.wait()
-
-    def serve(self, job: Job) -> None:
-        """On the model thread: advance the generator when asked, until it ends or is closed."""
-        if job.cancelled.is_set():
-            return  # the consumer left before the job started
-        self.worker._stream_owner, self.worker._link = self.owner, self
-        try:
-            gen = self.make()
-            while True:
-                if self.requests.get() == "close" or job.cancelled.is_set():
-                    gen.close()  # its cleanup (a rollback) runs here, on the model thread
-                    # A consumer that asks again (the thread was stopped under it) hears so.
-                    self.replies.put(("raise", WorkerStopped("the stream was closed")))
-                    return
-                try:
-                    item = next(gen)
-                except StopIteration as stop:
-                    self.replies.put(("return", stop.value))
-                    return
-                except BaseException as e:
-                    self.replies.put(("raise", e))
-                    return
-                self.replies.put(("yield", item))
-        except BaseException as e:  # `make()` failed, or the generator's cleanup did
-            self.replies.put(("raise", e))
-        finally:
-            self.worker._stream_owner, self.worker._link = None, None

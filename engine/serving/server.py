@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..args import shard_rank, speculative_options
+from ..runtime.batch import DEFAULT_MAX_BATCH
 from ..runtime.pool import DEFAULT_SEQUENCES
 from ..runtime.worker import Job
 from ..stateless import DEFAULT_MAX_TOKENS, PreparedChat, openai_message
@@ -654,7 +655,7 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
     with sock:
         eng = engine_pkg.load(
             args.model, cache_bytes=args.cache_bytes, quantize=getattr(args, "quantize", None),
-            shard=shard, **speculative,
+            max_batch=getattr(args, "max_batch", DEFAULT_MAX_BATCH), shard=shard, **speculative,
         )  # fmt: skip
         try:
             warm = load_warm_prompts(args.warm_prompts, eng) if args.warm_prompts else None

@@ -1,0 +1,124 @@
+"""Continuous batching: the rows of every running generation decode together.
+
+Each generation runs its own decode loop (`generate.decode_steps`, the one loop every caller
+shares), as a task on the engine's model thread (`worker.py`). When the loop needs a step it
+files its row here and its task yields `WAIT`; once every task has had its turn, the worker
+runs `Batch.step`: one forward pass for all the rows filed (`step.forward` stacks rows that
+each decode one token), and each loop takes its logits and goes on. Rows join the moment
+their prompt is in and leave when they finish, without waiting for the others; a prompt being
+prefilled yields `WAIT` between its chunks, so rows that are decoding keep streaming.
+
+Every row keeps its own caches (a row's KV cache has its own length; the Gated DeltaNet
+states are stacked for the step and split back), so reuse, snapshots and rollback stay per
+sequence exactly as at batch 1. Sampling runs per row, with the row's own sampler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .cache import RecurrentCache
+from .generate import decode_steps, settle
+from .step import Mark, Row, forward, rollback
+
+DEFAULT_MAX_BATCH = 8
+BUSY_PREFILL_CHUNK = 128  # prefill chunk while other rows wait to decode (bounds their stall)
+
+
+class _Wait:
+    """Yielded by a task on the model thread: "nothing for my consumer yet; run the others"."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "WAIT"
+
+
+WAIT = _Wait()
+
+
+@dataclass
+class _Ticket:
+    row: Row
+    result: tuple[mx.array, Mark] | None = None
+
+
+class Batch:
+    """The rows waiting for the next decode step of one model. Model thread only."""
+
+    def __init__(self, model, max_rows: int = DEFAULT_MAX_BATCH):
+        if max_rows < 1:
+            raise ValueError(f"a batch needs at least one row, got {max_rows}")
+        self.model = model
+        self.max_rows = max_rows
+        self._waiting: list[_Ticket] = []
+        self.steps = 0  # forward passes run
+        self.rows = 0  # rows stepped in them (rows / steps: the mean batch size)
+        self.widest = 0  # the largest batch stepped
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._waiting)
+
+    def step(self) -> None:
+        """One forward pass for the rows waiting (at most `max_rows`, first come first)."""
+        tickets = self._waiting[: self.max_rows]
+        del self._waiting[: len(tickets)]
+        if not tickets:
+            return
+        for ticket, result in zip(tickets, forward(self.model, [t.row for t in tickets])):
+            ticket.result = result
+        self.steps += 1
+        self.rows += len(tickets)
+        self.widest = max(self.widest, len(tickets))
+
+    def decode(self, model, caches: list, logits: mx.array, sampler, **options) -> Iterator:
+        """`generate.decode` (same arguments) with its steps batched: yields tokens, and
+        `WAIT` while its row waits for a step. Closing it at any point leaves the caches
+        consistent: a step that ran for a token nobody read is rolled back, and
+        `caches[0].offset` says how many positions were fed."""
+        if model is not self.model:
+            raise ValueError("this batch steps another model")
+        steps = decode_steps(caches, logits, sampler, **options)
+        try:
+            yield from self._serve(steps)
+        finally:
+            own_buffers(caches)
+            settle(caches, sampler)
+
+    def _serve(self, steps: Generator) -> Iterator:
+        ticket = None
+        try:
+            item = next(steps)
+            while True:
+                if isinstance(item, Row):
+                    ticket = _Ticket(item)
+                    self._waiting.append(ticket)
+                    while ticket.result is None:
+                        yield WAIT
+                    result, ticket = ticket.result, None
+                    item = steps.send(result)
+                else:
+                    yield item
+                    item = next(steps)
+        except StopIteration:
+            return
+        finally:
+            if ticket is not None:  # closed while its row waited for, or had, a step
+                if ticket.result is None:
+                    self._waiting.remove(ticket)
+                else:
+                    _, mark = ticket.result
+                    rollback(ticket.row.caches, mark, mark.start)
+            steps.close()
+
+
+def own_buffers(caches: list) -> None:
+    """Give each recurrent cache its own arrays: after a batched step they are slices of the
+    batch's stacked arrays, which would keep the whole batch's states alive (and uncounted)."""
+    for c in caches:
+        if isinstance(c, RecurrentCache) and c.state is not None:
+            c.conv, c.state = mx.contiguous(c.conv), mx.contiguous(c.state)
