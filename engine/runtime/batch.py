@@ -44,6 +44,7 @@ WAIT = _Wait()
 class _Ticket:
     row: Row
     result: tuple[mx.array, Mark] | None = None
+    error: BaseException | None = None  # the step failed: raised in the row's own loop
 
 
 class Batch:
@@ -69,7 +70,13 @@ class Batch:
         del self._waiting[: len(tickets)]
         if not tickets:
             return
-        for ticket, result in zip(tickets, forward(self.model, [t.row for t in tickets])):
+        try:
+            results = forward(self.model, [t.row for t in tickets])
+        except Exception as e:  # e.g. a pipeline rank gone: each row's generation fails, the
+            for ticket in tickets:  # model thread goes on
+                ticket.error = e
+            return
+        for ticket, result in zip(tickets, results):
             ticket.result = result
         self.steps += 1
         self.rows += len(tickets)
@@ -97,8 +104,11 @@ class Batch:
                 if isinstance(item, Row):
                     ticket = _Ticket(item)
                     self._waiting.append(ticket)
-                    while ticket.result is None:
+                    while ticket.result is None and ticket.error is None:
                         yield WAIT
+                    if ticket.error is not None:
+                        error, ticket = ticket.error, None
+                        raise error
                     result, ticket = ticket.result, None
                     item = steps.send(result)
                 else:
@@ -120,5 +130,6 @@ def own_buffers(caches: list) -> None:
     """Give each recurrent cache its own arrays: after a batched step they are slices of the
     batch's stacked arrays, which would keep the whole batch's states alive (and uncounted)."""
     for c in caches:
-        if isinstance(c, RecurrentCache) and c.state is not None:
+        # (isinstance: a pipeline's remote layers hold handles, not arrays; see shard.py)
+        if isinstance(c, RecurrentCache) and isinstance(c.state, mx.array):
             c.conv, c.state = mx.contiguous(c.conv), mx.contiguous(c.state)
