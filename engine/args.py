@@ -100,3 +100,20 @@ def speculative_options(args: argparse.Namespace) -> dict:
                "num_draft": getattr(args, "num_draft", 4)}  # fmt: skip
     speculation(options["speculative"], options["num_draft"])
     return options
+
+
+def add_shard_flags(parser: argparse.ArgumentParser) -> None:
+    """`--shard`: passed to `engine.load` (run the command under `mlx.launch`)."""
+    parser.add_argument("--shard", choices=["pipeline"], default=None,
+                        help="split the layers over the processes of an `mlx.launch` group "
+                        "(rank 0 answers; the other ranks serve it)")  # fmt: skip
+
+
+def shard_rank(args: argparse.Namespace) -> int:
+    """This process's rank in the launched group with --shard (0 without it): the commands
+    open their terminal or port on rank 0 only."""
+    if getattr(args, "shard", None) is None:
+        return 0
+    import mlx.core as mx
+
+    return mx.distributed.init().rank()

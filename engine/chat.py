@@ -22,6 +22,7 @@ from pathlib import Path
 from .args import (
     DefaultsFormatter,
     add_sampling_flags,
+    add_shard_flags,
     add_speculative_flags,
     number,
     sampling_overrides,
@@ -87,6 +88,7 @@ def add_chat_parser(sub) -> None:
                         "(default: ordinary text)")  # fmt: skip
     add_sampling_flags(c, "every answer")
     add_speculative_flags(c)
+    add_shard_flags(c)
     c.set_defaults(func=run_chat)
 
 
@@ -374,6 +376,9 @@ class Chat:
         if self.args.no_history:
             _err("error: --no-history keeps no conversation to save")
             return
+        if self.engine.sharded:
+            _err("error: saved sessions are not available with --shard yet")
+            return
         if self.stored is not None:
             if session_id and session_id != self.stored.id:
                 _err(f"error: already saving as {self.stored.id!r}")
@@ -507,10 +512,18 @@ def run_chat(args) -> int:
 
     try:
         spec = speculative_options(args)
+        if args.shard and args.session is not None:
+            raise ValueError("--session (a saved conversation) is not available with --shard yet")
     except ValueError as e:  # before the model loads
         _err(f"chatml chat: {e}")
         return 2
-    eng = engine.load(model, quantize=getattr(args, "quantize", None), **spec)
+    from .runtime.shard import ShardError
+
+    try:  # with --shard, the other ranks serve rank 0 inside load and exit there
+        eng = engine.load(model, quantize=getattr(args, "quantize", None), shard=args.shard, **spec)
+    except ShardError as e:
+        _err(f"chatml chat: {e}")
+        return 3
     window = eng.entry.context_window  # what the session gets: no room left for the prompt?
     if args.max_tokens >= window:
         _err(f"chatml chat: --max-tokens {args.max_tokens} "
@@ -553,6 +566,9 @@ def run_chat(args) -> int:
                 chat.run(_lines(True))
         else:
             chat.run(_lines(False))
+    except ShardError as e:  # a rank died or hangs: the answer cannot go on
+        _err(f"chatml chat: {e}")
+        return 3
     finally:
         session.stop_warm()  # no MLX work may outlive the interpreter
         for s in {stored, chat and chat.stored} - {None}:  # /save may have opened one

@@ -12,6 +12,7 @@ from pathlib import Path
 from .args import (
     DefaultsFormatter,
     add_sampling_flags,
+    add_shard_flags,
     add_speculative_flags,
     number,
     sampling_overrides,
@@ -310,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokens, as in transformers (default: ordinary text)")  # fmt: skip
     add_sampling_flags(s, "fields a request omits")
     add_speculative_flags(s)
+    add_shard_flags(s)
     s.set_defaults(func=_serve)
     return p
 

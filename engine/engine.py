@@ -74,6 +74,11 @@ class Engine:
     def fingerprint(self) -> str:
         return self.checkpoint.fingerprint
 
+    @property
+    def sharded(self) -> bool:
+        """True when the layers are split over a launched group (rank 0's engine)."""
+        return getattr(self.model, "link", None) is not None
+
     @contextmanager
     def foreground(self):
         """Hold the model for a user-facing computation, interrupting background work."""
@@ -149,6 +154,8 @@ class Engine:
         Raises DiskCacheBusy if another process has it."""
         from .storage.disk_cache import DiskCache
 
+        if self.sharded:
+            raise ValueError("the disk cache is not available with shard='pipeline' yet")
         self.detach_disk()
         self.disk = DiskCache(self, directory, max_bytes, **options)
         self.budget.spill = self.disk.spill
@@ -260,6 +267,7 @@ def load(
     speculative: str | None = None,
     num_draft: int = 4,
     max_batch: int = DEFAULT_MAX_BATCH,
+    shard: str | None = None,
 ) -> Engine:
     """Load a model: a models.yaml alias, a local checkpoint folder, or a Hub id.
 
@@ -286,8 +294,16 @@ def load(
     id with the same tokenizer, loaded in the same dtype), greedily from its own caches.
     `max_batch`: how many concurrent generations (sessions, `Engine.chat` calls from several
     threads, server requests) decode together in one forward pass per step.
+    `shard="pipeline"`, in every process of a group started by `mlx.launch`, splits the layers
+    over the processes (engine/runtime/shard.py): each loads only its layers. Rank 0 returns
+    the Engine; on the other ranks `load` serves rank 0 and exits the process when it is done.
+    A sharded model steps its generations one row at a time (no batched decode pass yet).
     """
     spec = speculation(speculative, num_draft)
+    if shard not in (None, "pipeline"):
+        raise ValueError(f"shard must be 'pipeline' or None, got {shard!r}")
+    if shard and cache_dir is not None:
+        raise ValueError("cache_dir (the disk tier) is not available with shard='pipeline' yet")
     path, entry = resolve(model)
     ckpt = inspect(path, entry)
     mtp = speculative == "mtp"
@@ -315,8 +331,19 @@ def load(
     if quantize and cpu and ckpt.entry.arch.is_moe:
         raise ValueError("quantize= on a CPU supports dense models (MoE experts need float32)")
     dequantize = cpu and ckpt.entry.arch.is_moe  # dense quantized layers use kernels.native
+    link = select = None
+    if shard:
+        if mtp:
+            raise ValueError("speculative='mtp' is not available with shard= yet")
+        from .runtime import shard as sharding
+
+        options = {"dtype": name, "quantize": quantize, "chunked_delta": chunked_delta}
+        link = sharding.connect(ckpt, options)
+        select = sharding.selector(link)
     mem = memory.device_memory()
-    need = weights_nbytes(ckpt, _DTYPES[name].size, dequantize_quantized=dequantize, mtp=mtp)
+    need = weights_nbytes(
+        ckpt, _DTYPES[name].size, dequantize_quantized=dequantize, mtp=mtp, select=select
+    )
     if problem := memory.fits(need, mem):  # before loading: not a swap storm or a crash
         raise CheckpointError(f"{path}: {problem}")
     wired, warning = memory.wired_limit(need, mem)
@@ -324,8 +351,16 @@ def load(
         warnings.warn(warning, stacklevel=2)
     if wired:
         mx.set_wired_limit(wired)
-    net = Qwen35(ckpt.entry.arch, ModelOptions(chunked_delta=chunked_delta), mtp=mtp)
-    load_weights(ckpt, net, _DTYPES[name], dequantize_quantized=dequantize)
+    arch, model_options = ckpt.entry.arch, ModelOptions(chunked_delta=chunked_delta)
+    if link is None:
+        net = Qwen35(arch, model_options, mtp=mtp)
+    elif link.rank == 0:
+        net = sharding.PipelineModel(arch, model_options, link, _DTYPES[name])
+    else:
+        from .runtime.follower import Stage
+
+        net = Stage(arch, model_options, link)
+    load_weights(ckpt, net, _DTYPES[name], dequantize_quantized=dequantize, select=select)
     if quantize:
         quantize_model(net, quantize)
     if cpu and (quantize or (ckpt.quantization and not dequantize)):
@@ -338,6 +373,12 @@ def load(
 
         if native.module() is not None:  # batched decode: float32 products of 2-32 rows
             use_dense_kernels(net)
+    if link is not None:
+        sharding.ready(link)
+        if link.rank != 0:
+            from .runtime.follower import follow
+
+            follow(net, link)  # serves rank 0, then exits the process
     tok = load_tokenizer(path)
     stops = tuple(tok.token_id(t) for t in ckpt.entry.stop_tokens)
     if cache_bytes is None:
@@ -347,6 +388,8 @@ def load(
     eng.set_max_batch(max_batch)
     if spec is not None and isinstance(spec.drafter, DraftModel):
         spec.drafter.load(eng)
+    if link is not None:
+        sharding.attach(eng)
     if cache_dir is not None:
         eng.attach_disk(cache_dir, disk_cache_bytes)
         weakref.finalize(eng, eng.disk.close)  # its writes finish even if close() is not called

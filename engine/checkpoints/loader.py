@@ -210,15 +210,20 @@ _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "U8": 
 
 
 def weights_nbytes(ckpt: Checkpoint, itemsize: int, *, dequantize_quantized: bool,
-                   mtp: bool = False) -> int:  # fmt: skip
+                   mtp: bool = False, select=None) -> int:  # fmt: skip
     """Bytes the loaded weights will take (from the files' headers; nothing is loaded):
     floating tensors at `itemsize`, quantized ones as stored or, dequantized, at `itemsize`.
-    The MTP head (`mtp.*`) counts only with `mtp` (it is loaded only for speculation)."""
+    The MTP head (`mtp.*`) counts only with `mtp` (it is loaded only for speculation);
+    `select(name)` (in the model's naming) limits it to the tensors a pipeline rank loads."""
+    from ..runtime.model import local_path
+
     bits = (ckpt.quantization or {}).get("bits", 4)
     total = 0
     for f in _weight_files(ckpt.path):
         for name, t in json.loads(_safetensors_header(f)).items():
             if name == "__metadata__" or (not mtp and name.startswith(_MTP_PREFIXES)):
+                continue
+            if select is not None and ((key := local_path(name)) is None or not select(key)):
                 continue
             n = 1
             for d in t["shape"]:
@@ -234,8 +239,13 @@ def weights_nbytes(ckpt: Checkpoint, itemsize: int, *, dequantize_quantized: boo
     return total
 
 
-def load_weights(ckpt: Checkpoint, model, dtype, *, dequantize_quantized: bool) -> None:
+def load_weights(
+    ckpt: Checkpoint, model, dtype, *, dequantize_quantized: bool, select=None
+) -> None:
     """Load, sanitize and cast the weights into `model`.
+
+    `select(name)` keeps only some tensors (a pipeline rank's layers): `mx.load` is lazy, so
+    the others are never read from the files.
 
     Quantized checkpoints (mlx-lm's format) are dequantized when `dequantize_quantized`: on a
     CPU only float32 matmuls reach the fast BLAS, so 4-bit weights would be far slower there.
@@ -254,6 +264,8 @@ def load_weights(ckpt: Checkpoint, model, dtype, *, dequantize_quantized: bool) 
         except Exception as e:
             raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
     weights = sanitize(weights, ckpt.entry.arch, mtp=mtp)
+    if select is not None:
+        weights = {k: v for k, v in weights.items() if select(k)}
     if ckpt.quantization:
         q = ckpt.quantization
         per_path = _per_path_quantization(q, lambda key: local_path(key, mtp=mtp))

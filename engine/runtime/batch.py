@@ -139,7 +139,8 @@ def own_buffers(caches: list) -> None:
     """Give each recurrent cache its own arrays: after a batched step they are slices of the
     batch's stacked arrays, which would keep the whole batch's states alive (and uncounted)."""
     for c in caches:
-        if isinstance(c, RecurrentCache) and c.state is not None:
+        # (isinstance: a pipeline's remote layers hold handles, not arrays; see shard.py)
+        if isinstance(c, RecurrentCache) and isinstance(c.state, mx.array):
             c.state = mx.contiguous(c.state)
             if c.conv is not None:
                 c.conv = mx.contiguous(c.conv)

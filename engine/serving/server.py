@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..args import speculative_options
+from ..args import shard_rank, speculative_options
 from ..runtime import grammar
 from ..runtime.batch import DEFAULT_MAX_BATCH
 from ..runtime.pool import DEFAULT_SEQUENCES
@@ -648,6 +648,11 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
         log.warning(
             "serving on %s without an API key: anyone who can reach it can use it", args.host
         )
+    shard = getattr(args, "shard", None)
+    if shard_rank(args) != 0:  # a follower rank: it serves rank 0 inside load, then exits
+        engine_pkg.load(args.model, quantize=getattr(args, "quantize", None), shard=shard,
+                        **speculative)  # fmt: skip
+        return 0
     try:
         sock = listen(args.host, args.port)
     except OSError as e:
@@ -657,14 +662,16 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
     with sock:
         eng = engine_pkg.load(
             args.model, cache_bytes=args.cache_bytes, quantize=getattr(args, "quantize", None),
-            max_batch=getattr(args, "max_batch", DEFAULT_MAX_BATCH), **speculative,
+            max_batch=getattr(args, "max_batch", DEFAULT_MAX_BATCH), shard=shard, **speculative,
         )  # fmt: skip
         try:
             warm = load_warm_prompts(args.warm_prompts, eng) if args.warm_prompts else None
         except ValueError as e:
             print(f"chatml serve: error: {e}", file=sys.stderr)
             return 2
-        if not args.no_disk_cache:
+        if shard:
+            print("chatml serve: no disk cache with --shard (not available yet)", flush=True)
+        elif not args.no_disk_cache:
             from ..storage.disk_cache import DiskCacheBusy
 
             try:

@@ -89,6 +89,8 @@ def capture_state(seq, engine, pos: int | None = None) -> CapturedState:
     no snapshots: its KV rows below `pos` (still valid, see runtime.snapshot) and the
     snapshot's recurrent state. That is one entry of the server's disk cache.
     """
+    if getattr(engine, "sharded", False):  # the other ranks hold most of the state
+        raise StateError("saving a cache state is not available with shard='pipeline' yet")
     prefix = None
     if pos is not None and pos != len(seq.tokens):
         prefix = seq.snapshots[pos].layers

@@ -1,0 +1,138 @@
+"""A follower rank of a pipeline (engine/runtime/shard.py): its layers, run for rank 0.
+
+`engine.load(..., shard="pipeline")` on a rank other than 0 loads a `Stage` (only that rank's
+layers, numbered as in the checkpoint) and calls `follow`, which serves rank 0's messages
+until it says stop and then exits the process. Every state a follower keeps is one rank 0
+named: recurrent states under the handles its messages give, attention caches per cache set.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..checkpoints.registry import Architecture
+from .cache import KVCache, RecurrentCache
+from .model import ModelOptions
+from .shard import DTYPES, OP_FORWARD, OP_STOP, Link, ShardError, fatal, layer_list
+
+
+class Stage(nn.Module):
+    """A follower's layers (numbered as in the checkpoint; the others are None)."""
+
+    def __init__(self, arch: Architecture, options: ModelOptions, link: Link):
+        super().__init__()
+        self.arch = arch
+        self.layers = layer_list(arch, link.ranges[link.rank], options)
+
+
+class Follower:
+    """Runs rank r's layers for rank 0 until told to stop: every state it keeps is named by
+    rank 0 (handles in `store`, attention caches per cache set in `kv`)."""
+
+    def __init__(self, stage: Stage, link: Link):
+        self.stage, self.link = stage, link
+        self.mine = link.ranges[link.rank]
+        self.remote = range(0, link.ranges[0].start)  # the layers rank 0's message describes
+        kinds = stage.arch.layer_types
+        self.linear = {i for i in self.remote if kinds[i] == "linear_attention"}
+        self.store: dict[int, mx.array] = {}
+        self.kv: dict[int, dict[int, KVCache]] = {}
+        self.expected = 1
+
+    def serve(self) -> None:
+        """The follower loop; returns when rank 0 says stop (ShardError on a broken link)."""
+        link = self.link
+        while True:
+            with link.wait("for rank 0 (no step nor heartbeat came)"):
+                op, seq, payload = link.recv_message()
+            if seq != self.expected:
+                raise ShardError(f"{link.who()}: message {seq} arrived, {self.expected} expected")
+            self.expected += 1
+            if link.dst != 0:  # pass it along the ring first: the next rank starts waiting
+                with link.wait(f"passing message {seq} to rank {link.dst}"):
+                    link.send_message(op, seq, payload)
+            rest = self._release(payload)
+            if op == OP_STOP:
+                return self._check_held(rest[0])
+            if op == OP_FORWARD:
+                self._forward(rest)
+
+    def _check_held(self, named: int) -> None:
+        """At the end, this rank holds exactly the states rank 0 still names (and its share
+        of them: with more ranks, each holds its layers' handles)."""
+        mine = sum(1 for layer in self.mine if layer in self.linear) * 2
+        total = sum(1 for layer in self.remote if layer in self.linear) * 2
+        if len(self.store) * total != named * mine:
+            raise ShardError(
+                f"{self.link.who()}: holds {len(self.store)} states at the end where rank 0 "
+                f"names {named * mine // max(total, 1)}: a release was lost"
+            )
+
+    def _release(self, payload: list[int]) -> list[int]:
+        n = payload[0]
+        for i in payload[1 : 1 + n]:
+            self.store.pop(i, None)
+        m = payload[1 + n]
+        for s in payload[2 + n : 2 + n + m]:
+            self.kv.pop(s, None)
+        return payload[2 + n + m :]
+
+    def _forward(self, p: list[int]) -> None:
+        owner, T, dtype, ncap = p[:4]
+        caps, i = p[4 : 4 + ncap], 4 + ncap
+        kinds = self.stage.arch.layer_types
+        kv = self.kv.setdefault(owner, {})
+        caches, outs = [], []
+        for layer in self.remote:
+            if kinds[layer] == "full_attention":
+                offset, i = p[i], i + 1
+                if layer in self.mine:
+                    c = kv.setdefault(layer, KVCache())
+                    if offset > c.offset:
+                        raise ShardError(
+                            f"{self.link.who()}: layer {layer} holds {c.offset} positions, "
+                            f"rank 0 resumes at {offset}"
+                        )
+                    c.restore(offset)
+                    caches.append(c)
+                continue
+            offset, conv, state = p[i : i + 3]
+            ids = p[i + 3 : i + 3 + 2 * (ncap + 1)]
+            i += 3 + 2 * (ncap + 1)
+            if layer in self.mine:
+                c = RecurrentCache()
+                c.restore((self.store.get(conv), self.store.get(state), offset))
+                if (conv and conv not in self.store) or (state and state not in self.store):
+                    raise ShardError(f"{self.link.who()}: layer {layer}: unknown state handle")
+                c.capture = list(caps)
+                caches.append(c)
+                outs.append((c, ids))
+        with self.link.wait(f"for the hidden states of a {T}-position step"):
+            x = self.link.recv((1, T, self.stage.arch.hidden_size), DTYPES[dtype])
+        for layer, c in zip(self.mine, caches):
+            x = self.stage.layers[layer](x, c)
+        kept = []
+        for c, ids in outs:
+            start = c.offset - T
+            states = [c.captured[start + q] for q in caps] + [(c.conv, c.state)]
+            for (conv, state), (a, b) in zip(states, zip(ids[::2], ids[1::2])):
+                self.store[a], self.store[b] = conv, state
+                kept += [conv, state]
+            c.capture, c.captured = [], {}
+        arrays = [a for c in kv.values() for a in (c.keys, c.values) if a is not None]
+        mx.eval(x, kept, arrays)
+        with self.link.wait(f"sending a {T}-position step to rank {self.link.dst}"):
+            self.link.send(x)
+
+
+def follow(stage: Stage, link: Link) -> None:
+    """A follower rank's life: serve rank 0, then exit the process (0 when told to stop)."""
+    try:
+        Follower(stage, link).serve()
+    except ShardError as e:
+        fatal(f"{link.who()}: {e}" if not str(e).startswith("chatml shard") else str(e))
+    sys.stdout.flush()
+    raise SystemExit(0)

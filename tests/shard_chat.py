@@ -1,0 +1,181 @@
+"""A scripted chat for the sharding tests (tests/test_shard.py), run in one process or by every
+rank of a launched group: `python tests/shard_chat.py MODEL OUT [--shard pipeline] [--pause]
+[--sequential] [--short] [--budget BYTES]`. Rank 0 writes OUT.json (per turn: tokens, counts, logprobs) and OUT.npz
+(the logits of fresh prefills); the other ranks serve it and exit.
+
+`--pause` streams one long answer instead, printing ANSWERING after its first piece and
+waiting for a line on stdin before reading on (the tests kill or stop a rank there).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import engine  # first: the fast BLAS loads before mlx (imported where used below)
+
+QUESTIONS = [
+    "Hello! My order number is 48213.", "你好，今天天气怎么样？", "Tell me a story about a fox.",
+    "What is 17 times 23?", "ok",
+]  # fmt: skip
+TOOL_CALL = (
+    "Let me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n北京\n"
+    "</parameter>\n</function>\n</tool_call>"
+)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+MAX_TOKENS = 8
+
+
+class ToolCaller:
+    """A sampler that calls the tool, then stops (the random model never would)."""
+
+    reads_history = False
+
+    def __init__(self, eng):
+        self.ids = eng.tokenizer.encode(TOOL_CALL) + [eng.stop_ids[0]]
+        self.i = 0
+
+    def __call__(self, logits, recent):
+        import mlx.core as mx
+
+        self.i += 1
+        return mx.array(self.ids[min(self.i - 1, len(self.ids) - 1)])
+
+
+def run(eng, short: bool = False) -> tuple[list[dict], list]:
+    """Plain turns, window trimming, regenerate, edit, a tool round and a stateless chat
+    (`short`: the first four); per turn what it produced, and the logits of a fresh prefill
+    of the first and the last turn's prompts."""
+    import mlx.core as mx
+    import numpy as np
+
+    import engine.session as session_module
+
+    turns = []
+    s = eng.session("You are a helpful assistant.", max_exchanges=1)
+    ask = {"max_tokens": MAX_TOKENS, "logprobs": True, "top_logprobs": 2}
+    for q in QUESTIONS[:3]:  # the third drops the first exchange from the window
+        turns.append(s.send(q, **ask))
+    turns.append(s.regenerate(**ask))
+    if not short:
+        turns += _more(eng, s, ask, session_module)
+
+    def fresh(ids):
+        logits = eng.model(mx.array([ids]), eng.model.make_caches())[0, -1]
+        return np.array(logits.astype(mx.float32))
+
+    rows = []
+    for t in turns:
+        rows.append({
+            "tokens": t.token_ids, "reused": t.stats.reused_tokens,
+            "prefilled": t.stats.prefilled_tokens, "cache_bytes": t.stats.cache_bytes,
+            "logprobs": [lp.logprob for lp in t.logprobs or []], "tool_calls": len(t.tool_calls),
+        })  # fmt: skip
+    if not short:
+        rows.append(eng.worker.call(_speculative, eng, turns[-1].prompt_ids))
+    return rows, [eng.worker.call(fresh, t.prompt_ids) for t in (turns[0], turns[-1])]
+
+
+def _speculative(eng, prompt: list[int]) -> dict:
+    """Verify steps with drafts half of them wrong (kept states, rollbacks on every rank)."""
+    from engine.runtime.generate import decode, eval_caches, prefill
+    from engine.runtime.sampling import Sampler, SamplingParams
+    from engine.runtime.speculative import (
+        DraftLength,
+        InjectedDrafter,
+        SpeculationStats,
+        speculative_decode,
+    )
+
+    def start():
+        caches = eng.model.make_caches()
+        logits, _ = prefill(eng.model, caches, prompt, 0)
+        return caches, logits
+
+    caches, logits = start()
+    plain = list(decode(eng.model, caches, logits, Sampler(SamplingParams()), max_tokens=24,
+                        stop_ids=(), history=list(prompt)))  # fmt: skip
+    caches, logits = start()
+    stats = SpeculationStats()
+    drafter = InjectedDrafter(plain, len(prompt), reject_rate=0.5, seed=1)
+    out = list(speculative_decode(
+        eng.model, caches, logits, Sampler(SamplingParams()), max_tokens=24, stop_ids=(),
+        history=list(prompt), drafter=drafter, policy=DraftLength(3, adaptive=False), stats=stats,
+    ))  # fmt: skip
+    eval_caches(caches)
+    return {"tokens": out, "plain": plain, "accepted": stats.accepted, "drafted": stats.drafted,
+            "offset": caches[0].offset, "cache_bytes": sum(c.nbytes for c in caches)}  # fmt: skip
+
+
+class Failing:
+    """A sampler that fails at its third pick: the turn rolls back on every rank."""
+
+    reads_history = False
+
+    def __init__(self, real):
+        self.real, self.n = real, 0
+
+    def __call__(self, logits, recent):
+        self.n += 1
+        if self.n == 3:
+            raise RuntimeError("injected failure")
+        return self.real(logits, recent)
+
+
+def _more(eng, s, ask, session_module) -> list:
+    turns = []
+    turns.append(s.edit_last(QUESTIONS[4], **ask))
+    original = session_module.Sampler
+    session_module.Sampler = lambda params: Failing(original(params))
+    try:
+        s.send(QUESTIONS[2], max_tokens=MAX_TOKENS)
+        raise AssertionError("the injected failure did not happen")
+    except RuntimeError as e:
+        assert "injected failure" in str(e)
+    finally:
+        session_module.Sampler = original
+    stream = s.stream(QUESTIONS[3], max_tokens=MAX_TOKENS)  # interrupted after two pieces
+    next(stream), next(stream)
+    stream.close()
+    s.warm()  # idle-time prefill of the next prompt's known part
+    turns.append(s.send(QUESTIONS[0], **ask))
+    session_module.Sampler = lambda params: ToolCaller(eng)
+    try:
+        turns.append(s.send(QUESTIONS[1], max_tokens=200, tools=TOOLS))
+    finally:
+        session_module.Sampler = original
+    turns.append(s.send_tool_results(["sunny, 21 C"], max_tokens=MAX_TOKENS))
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    first = eng.chat(messages, max_tokens=MAX_TOKENS)
+    messages += [first.message(), {"role": "user", "content": QUESTIONS[3]}]
+    return turns + [first, eng.chat(messages, max_tokens=MAX_TOKENS)]
+
+
+def pause(eng) -> None:
+    s = eng.session("You are a helpful assistant.")
+    for i, _ in enumerate(s.stream(QUESTIONS[2], max_tokens=4000)):
+        if i == 0:
+            print("ANSWERING", flush=True)
+            sys.stdin.readline()
+    print("FINISHED", flush=True)
+
+
+def main(argv: list[str]) -> None:
+    model, out = argv[0], Path(argv[1])
+    shard = "pipeline" if "--shard" in argv else None
+    budget = int(argv[argv.index("--budget") + 1]) if "--budget" in argv else None
+    eng = engine.load(model, shard=shard, chunked_delta="--sequential" not in argv,
+                      cache_bytes=budget)  # fmt: skip
+    if "--pause" in argv:
+        return pause(eng)
+    import numpy as np
+
+    rows, logits = run(eng, short="--short" in argv)
+    out.with_suffix(".json").write_text(json.dumps(rows))
+    np.savez(out.with_suffix(".npz"), *logits)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

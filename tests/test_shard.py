@@ -1,0 +1,230 @@
+"""Pipeline sharding (engine/runtime/shard.py): two ranks on localhost over MLX's ring backend
+answer exactly as one process does, and a rank that dies or hangs ends the other one in
+bounded time with a message saying so.
+
+The ranks are started here as `mlx.launch` starts them (a ring hostfile, MLX_RANK), without
+the launcher: it would kill the survivor itself, and the tests are about what the survivor
+does. Each run is tests/shard_chat.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import shard_chat
+
+import engine
+from engine.runtime import shard
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).with_name("shard_chat.py")
+WAIT = 240  # seconds a whole 2-rank run may take on a loaded 2-core machine
+BUDGET = 2_000_000  # cache bytes: the scripted chat on tiny evicts snapshots under it
+
+
+def _hostfile(tmp_path: Path, n: int = 2) -> Path:
+    ports = []
+    for _ in range(n):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    return path
+
+
+def _launch(tmp_path: Path, args: list[str], env: dict | None = None, models=None):
+    """Start rank 0 and rank 1 of tests/shard_chat.py (rank 0's stdin is a pipe)."""
+    hosts = _hostfile(tmp_path)
+    procs = []
+    for rank in (0, 1):
+        model = (models or {}).get(rank, args[0])
+        e = {**os.environ, "MLX_HOSTFILE": str(hosts), "MLX_RANK": str(rank),
+             "PYTHONPATH": str(REPO), **(env or {}).get(rank, {})}  # fmt: skip
+        procs.append(subprocess.Popen(
+            [sys.executable, str(SCRIPT), model, *args[1:], "--shard"], env=e, text=True,
+            stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        ))  # fmt: skip
+    return procs
+
+
+def _finish(procs) -> list[tuple[int, str, str]]:
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=WAIT)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append((p.returncode, stdout, stderr))
+    return out
+
+
+def _compare(ref, tmp_path: Path, model: str, *flags: str) -> None:
+    """Run the scripted chat on 2 ranks; compare with `ref` (rows, logits) of one process."""
+    out = tmp_path / "two"
+    results = _finish(_launch(tmp_path, [model, str(out), *flags]))
+    for rank, (code, _, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{stderr[-3000:]}"
+    rows, logits = (
+        json.loads(out.with_suffix(".json").read_text()),
+        np.load(out.with_suffix(".npz")),
+    )
+    want_rows, want_logits = ref
+    assert len(rows) == len(want_rows)
+    for i, (got, want) in enumerate(zip(rows, want_rows)):
+        assert set(got) == set(want)
+        for key in set(want) - {"logprobs"}:
+            assert got[key] == want[key], f"turn {i}: {key} {got[key]} != {want[key]}"
+        assert np.allclose(got.get("logprobs", []), want.get("logprobs", []), atol=1e-4, rtol=0)
+    for i, want in enumerate(want_logits):
+        assert np.abs(logits[f"arr_{i}"] - want).max() <= 1e-4, f"fresh-prefill logits {i}"
+
+
+def test_two_ranks_chat_exactly_as_one_process(tiny, tmp_path):
+    # Plain turns, trimming, regenerate, edit, a failed turn, an interrupted one, warm-up, a
+    # tool round, the stateless pool, speculative verify steps, evictions: greedy tokens,
+    # reused/prefilled counts and cache bytes identical, logits within 1e-4. Rank 1 exits 0
+    # only if it then holds exactly the states rank 0 still names (no release lost).
+    # A fresh engine (its pool starts empty), with a budget that evicts snapshots.
+    eng = engine.load("tiny", cache_bytes=BUDGET)
+    ref = shard_chat.run(eng)
+    assert eng.budget.evictions > 0
+    rows = ref[0]
+    assert rows[2]["reused"] < rows[1]["reused"] + rows[1]["prefilled"]  # the window trimmed
+    assert any(r.get("tool_calls") for r in rows)
+    spec = rows[-1]  # speculative decoding: verify steps, kept states, rollbacks
+    assert spec["tokens"] == spec["plain"] and 0 < spec["accepted"] < spec["drafted"]
+    _compare(ref, tmp_path, "tiny", "--budget", str(BUDGET))
+
+
+def test_two_ranks_mixture_of_experts(tiny_moe, tmp_path):
+    path = str(tiny_moe.path)
+    ref = shard_chat.run(engine.load(path, chunked_delta=False), short=True)
+    _compare(ref, tmp_path, path, "--sequential", "--short")
+
+
+def _answering(procs) -> None:
+    """Wait until rank 0 is in the middle of an answer (it printed ANSWERING and waits)."""
+    line = procs[0].stdout.readline()
+    assert line.strip() == "ANSWERING", procs[0].communicate(timeout=WAIT)[1][-3000:]
+
+
+def test_killed_follower_ends_rank_0_with_a_message(tiny, tmp_path):
+    procs = _launch(tmp_path, ["tiny", str(tmp_path / "x"), "--pause"])
+    _answering(procs)
+    procs[1].kill()
+    procs[0].stdin.write("go on\n")
+    procs[0].stdin.flush()
+    (code, stdout, stderr), _ = _finish(procs)
+    assert code != 0 and "FINISHED" not in stdout
+    assert "ShardError" in stderr and "a peer rank is gone" in stderr, stderr[-3000:]
+
+
+def test_killed_rank_0_ends_the_follower_with_a_message(tiny, tmp_path):
+    procs = _launch(tmp_path, ["tiny", str(tmp_path / "x"), "--pause"])
+    _answering(procs)
+    procs[0].kill()
+    _, (code, _, stderr) = _finish(procs)
+    assert code == shard.EXIT_LOST, stderr[-3000:]
+    assert "chatml shard rank 1 of 2" in stderr and "a peer rank is gone" in stderr
+
+
+def test_hung_follower_ends_rank_0_after_the_timeout(tiny, tmp_path):
+    # A stopped process keeps its sockets open: only the watchdog can tell.
+    env = {0: {"CHATML_SHARD_TIMEOUT": "5"}}
+    procs = _launch(tmp_path, ["tiny", str(tmp_path / "x"), "--pause"], env)
+    _answering(procs)
+    procs[1].send_signal(signal.SIGSTOP)
+    try:
+        procs[0].stdin.write("go on\n")
+        procs[0].stdin.flush()
+        code = procs[0].wait(timeout=WAIT)
+        stderr = procs[0].stderr.read()
+    finally:
+        procs[1].kill()
+        procs[1].wait(timeout=WAIT)
+    assert code == shard.EXIT_LOST, stderr[-3000:]
+    assert "waited 5 s" in stderr and "hangs or its machine is unreachable" in stderr
+
+
+def test_ranks_on_different_checkpoints_refuse(tiny, tiny_moe, tmp_path):
+    procs = _launch(tmp_path, ["tiny", str(tmp_path / "x")], models={1: str(tiny_moe.path)})
+    for code, _, stderr in _finish(procs):
+        assert code != 0
+        assert "the ranks disagree on the checkpoint" in stderr, stderr[-3000:]
+        assert tiny.fingerprint in stderr and tiny_moe.fingerprint in stderr
+
+
+def test_plan_splits_contiguous_ranges_last_layers_on_rank_0():
+    assert shard.plan(8, 2) == [range(4, 8), range(0, 4)]
+    assert shard.plan(24, 5) == [range(20, 24), range(15, 20), range(10, 15), range(5, 10),
+                                 range(0, 5)]  # fmt: skip
+    with pytest.raises(shard.ShardError, match="8 layers and cannot be split over 9 ranks"):
+        shard.plan(8, 9)
+
+
+def test_a_process_alone_cannot_shard(tiny):
+    with pytest.raises(shard.ShardError, match="this one is alone: start it with `mlx.launch"):
+        engine.load("tiny", shard="pipeline")
+    with pytest.raises(ValueError, match="shard must be 'pipeline' or None, got 'tensor'"):
+        engine.load("tiny", shard="tensor")
+
+
+def test_each_rank_loads_only_its_tensors(tiny):
+    from types import SimpleNamespace
+
+    from engine.checkpoints.loader import load_weights, weights_nbytes
+    from engine.runtime.follower import Stage
+    from engine.runtime.model import ModelOptions
+
+    ckpt, ranges = tiny.checkpoint, shard.plan(tiny.entry.arch.num_hidden_layers, 2)
+    links = [SimpleNamespace(rank=r, ranges=ranges) for r in (0, 1)]
+    sizes = [weights_nbytes(ckpt, 4, dequantize_quantized=False, select=shard.selector(x))
+             for x in links]  # fmt: skip
+    assert sum(sizes) == weights_nbytes(ckpt, 4, dequantize_quantized=False)
+    embed = tiny.entry.arch.vocab_size * tiny.entry.arch.hidden_size * 4
+    assert sizes[0] > embed > sizes[1] > 0  # the embedding (tied head) is rank 0's alone
+    stage = Stage(tiny.entry.arch, ModelOptions(), links[1])
+    load_weights(
+        ckpt, stage, tiny.dtype, dequantize_quantized=False, select=shard.selector(links[1])
+    )
+    from mlx.utils import tree_flatten
+
+    names = [k for k, _ in tree_flatten(stage.parameters())]
+    assert names and all(int(k.split(".")[1]) in ranges[1] for k in names)
+
+
+def test_chat_cli_under_mlx_launch_answers_as_one_process(tiny, tmp_path):
+    # The documented entry point: `mlx.launch -n 2 --backend ring -- chatml chat --shard ...`.
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    if not launcher.exists():
+        pytest.skip("mlx.launch is not installed beside this interpreter")
+    ask = ["chat", "-p", "Hello! My order number is 48213.", "--max-tokens", "6", "--stats",
+           "--temperature", "0", "--presence-penalty", "0"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    one = subprocess.run([sys.executable, "-m", "engine.cli", *ask], capture_output=True,
+                         text=True, env=env, timeout=WAIT)  # fmt: skip
+    with socket.socket() as s:  # mlx.launch uses this port and the next
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = subprocess.run(
+        [str(launcher), "-n", "2", "--backend", "ring", "--starting-port", str(port), "--",
+         sys.executable, "-m", "engine.cli", *ask, "--shard", "pipeline"],
+        capture_output=True, text=True, env=env, timeout=WAIT, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    timings = re.compile(r"; ttft [^;]*; decode [^;]*;")  # counts kept, times dropped
+    assert "reused 0, prefilled" in one.stdout
+    assert timings.sub("", two.stdout) == timings.sub("", one.stdout)
