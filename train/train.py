@@ -153,8 +153,8 @@ def batches(samples, batch: int, rng: np.random.Generator, remap: np.ndarray):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--samples", type=int, default=8000, help="training chats")
-    p.add_argument("--steps", type=int, default=450)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=8e-3)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--embed-std", type=float, default=0.125, help="initial trained-row scale")
@@ -165,6 +165,7 @@ def main(argv=None) -> int:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--compile", action="store_true", help="mx.compile the step (per shape)")
     p.add_argument("--save-every", type=int, default=50, help="write the weights every N steps")
+    p.add_argument("--init-from", default=None, help="start from a weights file (continue a run)")
     p.add_argument("--dry-run", action="store_true", help="time the steps, write nothing")
     p.add_argument("--out", default=None, help="weights file (default: the one models.yaml names)")
     p.add_argument("--log", default=None, help="JSON log of the loss curve")
@@ -187,6 +188,8 @@ def main(argv=None) -> int:
 
     mx.random.seed(args.seed)
     model = init_model(entry, vocab, args.embed_std)
+    if args.init_from:
+        model.load_weights(list(weights_file.load(Path(args.init_from), entry, vocab).items()))
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(f"{n_params} trained parameters", flush=True)
     untrained = math.log(entry.arch.vocab_size - len(vocab))

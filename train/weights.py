@@ -36,6 +36,22 @@ def hub_tensors(model, vocab: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
+def load(path: Path, entry, vocab: np.ndarray) -> dict:
+    """A weights file back in our model's layout, the embedding over `vocab`'s rows."""
+    import dataclasses
+
+    import mlx.core as mx
+
+    from engine.runtime.model import sanitize
+
+    t = trained._read(str(path), path.stat().st_mtime_ns)
+    if not np.array_equal(t.tensors[trained.IDS], vocab):
+        raise ValueError(f"{path}: trained on other vocabulary rows than this data")
+    arch = dataclasses.replace(entry.arch, vocab_size=len(vocab))
+    hub = {k: mx.array(v) for k, v in t.tensors.items() if k != trained.IDS}
+    return sanitize(hub, arch)
+
+
 def save(out: Path, model, entry, vocab: np.ndarray) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     trained.write(out, hub_tensors(model, vocab), UNTRAINED_STD)
