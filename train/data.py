@@ -312,3 +312,27 @@ def encode(chat: Chat, tokenizer) -> tuple[list[int], list[int]]:
             stop = prompt.ids.index(end, start)
             mask[start : stop + 1] = [1] * (stop + 1 - start)
     return ids, mask
+
+
+def short_chat(rng: np.random.Generator) -> Chat:
+    """A fact of the asked kind (60%), of another kind (20%) or none, up to two exchanges of
+    small talk around it, then the question: recall and "don't know" at short range, cheap to
+    train on (the second phase of the run, see train/README.md)."""
+    lang = "en" if rng.random() < 0.5 else "zh"
+    chat = Chat(_pick(rng, SYSTEMS))
+    kind = _pick(rng, KINDS).name
+    r = rng.random()
+    stated = (
+        kind
+        if r < 0.6
+        else (_pick(rng, [k.name for k in KINDS if k.name != kind]) if r < 0.8 else None)
+    )
+    n = int(rng.integers(0, 3))
+    at = int(rng.integers(0, n + 1))
+    for i in range(n + 1):
+        if i == at and stated is not None:
+            chat.exchanges.append(_state(rng, stated, lang))
+        elif i < n or stated is None:
+            chat.exchanges.append(_filler(rng, lang))
+    chat.exchanges.append(_ask(rng, chat, kind, lang))
+    return chat

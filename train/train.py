@@ -101,9 +101,13 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.from_folder(path)
 
 
-def make_samples(n: int, seed: int, tok: Tokenizer) -> list[tuple[list[int], list[int]]]:
+def make_samples(
+    n: int, seed: int, tok: Tokenizer, short: float = 0.0
+) -> list[tuple[list[int], list[int]]]:
+    """n encoded chats: `data.short_chat` with probability `short`, else `data.training_chat`."""
     rng = np.random.default_rng(seed)
-    return [data.encode(data.training_chat(rng), tok) for _ in range(n)]
+    make = [data.training_chat, data.short_chat]
+    return [data.encode(make[bool(rng.random() < short)](rng), tok) for _ in range(n)]
 
 
 def init_model(
@@ -163,6 +167,8 @@ def main(argv=None) -> int:
         "--minutes", type=float, default=0, help="stop after this wall time (0: no limit)"
     )
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--short", type=float, default=0.0, help="fraction of data.short_chat")
+    p.add_argument("--phase", type=int, default=0, help="data seed offset (TRAIN_SEED + phase)")
     p.add_argument("--compile", action="store_true", help="mx.compile the step (per shape)")
     p.add_argument("--save-every", type=int, default=50, help="write the weights every N steps")
     p.add_argument("--init-from", default=None, help="start from a weights file (continue a run)")
@@ -178,8 +184,11 @@ def main(argv=None) -> int:
     entry = registry.get(MODEL)
     tok = tokenizer()
     t0 = time.monotonic()
-    samples = make_samples(args.samples, data.TRAIN_SEED, tok)
+    samples = make_samples(args.samples, data.TRAIN_SEED + args.phase, tok, args.short)
     vocab = np.unique(np.concatenate([np.asarray(s[0]) for s in samples])).astype(np.int32)
+    if args.init_from:  # a continuation keeps the file's rows (and adds any this data uses)
+        rows = weights_file.trained._read(args.init_from, 0).tensors[weights_file.trained.IDS]
+        vocab = np.union1d(vocab, rows).astype(np.int32)
     remap = np.full(entry.arch.vocab_size, -1, np.int64)
     remap[vocab] = np.arange(len(vocab))
     n_tokens = sum(len(s[0]) for s in samples)
@@ -189,7 +198,8 @@ def main(argv=None) -> int:
     mx.random.seed(args.seed)
     model = init_model(entry, vocab, args.embed_std)
     if args.init_from:
-        model.load_weights(list(weights_file.load(Path(args.init_from), entry, vocab).items()))
+        start = weights_file.load(Path(args.init_from), entry, vocab, model.embed_tokens.weight)
+        model.load_weights(list(start.items()))
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(f"{n_params} trained parameters", flush=True)
     untrained = math.log(entry.arch.vocab_size - len(vocab))

@@ -36,8 +36,9 @@ def hub_tensors(model, vocab: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
-def load(path: Path, entry, vocab: np.ndarray) -> dict:
-    """A weights file back in our model's layout, the embedding over `vocab`'s rows."""
+def load(path: Path, entry, vocab: np.ndarray, fresh) -> dict:
+    """A weights file back in our model's layout, the embedding over `vocab`'s rows (rows the
+    file lacks from `fresh`, the new model's own initial rows)."""
     import dataclasses
 
     import mlx.core as mx
@@ -45,10 +46,14 @@ def load(path: Path, entry, vocab: np.ndarray) -> dict:
     from engine.runtime.model import sanitize
 
     t = trained._read(str(path), path.stat().st_mtime_ns)
-    if not np.array_equal(t.tensors[trained.IDS], vocab):
-        raise ValueError(f"{path}: trained on other vocabulary rows than this data")
+    old = {int(i): r for r, i in enumerate(t.tensors[trained.IDS])}
+    rows = np.array(fresh, dtype=np.float32)
+    for r, i in enumerate(vocab.tolist()):
+        if i in old:
+            rows[r] = t.tensors[trained.EMBED][old[i]]
     arch = dataclasses.replace(entry.arch, vocab_size=len(vocab))
-    hub = {k: mx.array(v) for k, v in t.tensors.items() if k != trained.IDS}
+    hub = {k: mx.array(v) for k, v in t.tensors.items() if k not in (trained.IDS, trained.EMBED)}
+    hub[trained.EMBED] = mx.array(rows)
     return sanitize(hub, arch)
 
 
