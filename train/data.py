@@ -111,7 +111,7 @@ KINDS = (
 KIND = {k.name: k for k in KINDS}
 
 GREETINGS = {"en": ("", "", "Hi! ", "Hello! ", "By the way, "), "zh": ("", "", "你好！", "对了，")}
-ACKS = {"en": ("Got it, I will remember that.", "OK, noted."), "zh": ("好的，我记住了。",)}
+ACKS = {"en": ("Got it. ", "OK. "), "zh": ("好的，",)}  # followed by the fact, repeated
 
 # Small talk: (user, assistant) pairs; the answers never hold a fact.
 FILLERS = {
@@ -221,7 +221,10 @@ def known(exchanges: list[Exchange], kind: str, window: int = WINDOW) -> str | N
 def _state(rng, kind: str, lang: str) -> Exchange:
     v = value(rng, kind, lang)
     text = _pick(rng, GREETINGS[lang]) + _pick(rng, KIND[kind].state[lang]).format(v=v)
-    return Exchange(text, _pick(rng, ACKS[lang]), "state", kind, v, lang)
+    # The acknowledgement repeats the fact: a copy over a few tokens, the easy case of the
+    # long-range copy the question needs.
+    ack = _pick(rng, ACKS[lang]) + KIND[kind].answer[lang].format(v=v)
+    return Exchange(text, ack, "state", kind, v, lang)
 
 
 def _ask(rng, chat: Chat, kind: str, lang: str) -> Exchange:

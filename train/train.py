@@ -169,6 +169,7 @@ def main(argv=None) -> int:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--short", type=float, default=0.0, help="fraction of data.short_chat")
     p.add_argument("--phase", type=int, default=0, help="data seed offset (TRAIN_SEED + phase)")
+    p.add_argument("--stop-after", type=int, default=0, help="stop after N steps (0: --steps)")
     p.add_argument("--compile", action="store_true", help="mx.compile the step (per shape)")
     p.add_argument("--save-every", type=int, default=50, help="write the weights every N steps")
     p.add_argument("--init-from", default=None, help="start from a weights file (continue a run)")
@@ -244,6 +245,8 @@ def main(argv=None) -> int:
                 meta = {"args": vars(args), "vocab_rows": len(vocab), "params": n_params,
                         "tokens": n_tokens, "curve": curve}  # fmt: skip
                 Path(args.log).write_text(json.dumps(meta, indent=1))
+            if args.stop_after and i + 1 >= args.stop_after:
+                break
             if args.minutes and elapsed > 60 * args.minutes:
                 print("wall-time limit reached", flush=True)
                 break
