@@ -7,7 +7,7 @@ from engine.checkpoints import registry
 from engine.checkpoints.builder import parameter_count
 from engine.checkpoints.registry import RegistryError, parse_registry
 
-EXPECTED = {"tiny", "qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b",
+EXPECTED = {"tiny", "tiny-chat", "qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b",
             "qwen3.5-35b-a3b"}  # fmt: skip
 
 
@@ -37,6 +37,10 @@ def test_tiny_has_the_real_layer_pattern():
     a = registry.get("tiny").arch
     assert a.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 2
     assert a.vocab_size == 248320 and registry.get("tiny").template == "qwen3.5-small"
+    chat = registry.get("tiny-chat")
+    assert chat.arch.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert chat.arch.vocab_size == 248320 and chat.arch.tie_word_embeddings
+    assert chat.trained == "tiny-chat.safetensors" and registry.get("tiny").trained is None
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,9 @@ chat_template.jinja), so the loading code we test is the code real weights go th
 
 Weights are seeded per tensor name, so the bytes are identical on every machine and each
 tensor can be generated and written on its own: a 27B model streams to disk without ever
-being held in memory whole.
+being held in memory whole. An entry with `trained:` (tiny-chat) takes its tensors from that
+file instead (engine/checkpoints/trained.py), and only the embedding rows the file does not
+hold come from the seed.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import shutil
 import struct
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +29,8 @@ from .generation import FILE as GENERATION_CONFIG
 from .generation import qwen_generation_config
 from .registry import Architecture, ModelEntry
 from .tokenizer import dump_json, tokenizer_config, tokenizer_json
+from .trained import EMBED, IDS, Trained
+from .trained import read as read_trained
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 SHARD_BYTES = 4 << 30  # like the Hub's sharded checkpoints
@@ -157,6 +161,25 @@ def _generate(spec: TensorSpec, seed: int) -> np.ndarray:
     raise ValueError(f"unknown init {spec.init!r}")
 
 
+def _values(spec: TensorSpec, seed: int, trained: Trained | None) -> np.ndarray:
+    """The tensor's float32 values: seeded, or from the trained file (embedding: its rows over
+    seeded rows at the file's `untrained_std`)."""
+    if trained is None:
+        return _generate(spec, seed)
+    if spec.name == EMBED:
+        rows, ids = trained.tensors[EMBED], trained.tensors[IDS]
+        x = _generate(replace(spec, std=trained.untrained_std), seed)
+        if rows.shape[1:] != spec.shape[1:] or ids.max(initial=0) >= spec.shape[0]:
+            raise ValueError(f"{trained.path}: {EMBED} rows do not fit {spec.shape}")
+        x[ids] = rows
+        return x
+    x = trained.tensors.get(spec.name)
+    if x is None or tuple(x.shape) != spec.shape:
+        got = "missing" if x is None else f"shape {tuple(x.shape)}"
+        raise ValueError(f"{trained.path}: tensor {spec.name} {got}, the entry needs {spec.shape}")
+    return np.array(x, dtype=np.float32)
+
+
 def _to_dtype_bytes(x: np.ndarray, dtype: str) -> bytes:
     if dtype == "float32":
         return x.astype("<f4", copy=False).tobytes()
@@ -168,7 +191,9 @@ def _to_dtype_bytes(x: np.ndarray, dtype: str) -> bytes:
     return u.astype("<u2").tobytes()
 
 
-def _write_shard(path: Path, specs: list[TensorSpec], dtype: str, seed: int, meta: dict, on_tensor):
+def _write_shard(
+    path: Path, specs: list[TensorSpec], dtype: str, seed: int, meta: dict, on_tensor, trained
+):
     """Stream one safetensors file: header first (all sizes are known), then each tensor."""
     code, itemsize = _DTYPES[dtype]
     header, offset = {"__metadata__": meta}, 0
@@ -185,7 +210,7 @@ def _write_shard(path: Path, specs: list[TensorSpec], dtype: str, seed: int, met
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for s in specs:
-            f.write(_to_dtype_bytes(_generate(s, seed), dtype))
+            f.write(_to_dtype_bytes(_values(s, seed, trained), dtype))
             on_tensor(s)
         f.flush()
         os.fsync(f.fileno())
@@ -296,12 +321,15 @@ def build(
             )
             sys.stderr.flush()
 
+    trained = read_trained(entry.trained) if entry.trained else None
     meta = {"format": "pt", "chatml_model": entry.name, "chatml_seed": str(seed)}
+    if trained is not None:
+        meta["chatml_trained"] = trained.digest
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]  # fmt: skip
     for name, shard in zip(names, shards):
-        _write_shard(work / name, shard, dtype, seed, meta, on_tensor)
+        _write_shard(work / name, shard, dtype, seed, meta, on_tensor, trained)
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": total * itemsize},

@@ -37,7 +37,13 @@ _INSTRUCT = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0,
 
 
 def qwen_generation_config(entry: ModelEntry) -> dict:
-    """generation_config.json as the builder writes it for a registry entry."""
+    """generation_config.json as the builder writes it for a registry entry.
+
+    A model trained here (`trained:`, tiny-chat) was trained to give one exact answer: greedy,
+    no penalties (a presence penalty would push a repeated digit of an order number out).
+    """
+    if entry.trained:
+        return {**_IDS, "do_sample": False}
     sampling = _THINKING if entry.thinking_default else _INSTRUCT
     return {**_IDS, "do_sample": True, **sampling}
 

@@ -35,7 +35,12 @@ class Checkpoint:
 
 
 def embedded_path(entry: ModelEntry) -> Path:
-    return chatml_home() / "models" / f"{entry.name}-seed{entry.seed}-v{BUILD_VERSION}"
+    name = f"{entry.name}-seed{entry.seed}-v{BUILD_VERSION}"
+    if entry.trained:  # new trained weights build a new folder
+        from .trained import read
+
+        name += f"-{read(entry.trained).digest[:12]}"
+    return chatml_home() / "models" / name
 
 
 def resolve(model: str | os.PathLike) -> tuple[Path, ModelEntry | None]:

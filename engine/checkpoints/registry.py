@@ -98,6 +98,9 @@ class ModelEntry:
     compute_dtype: dict[str, str]
     arch: Architecture
     seed: int = 0
+    # Embedded models only: a file under engine/checkpoints/trained/ holding trained tensors
+    # (engine/checkpoints/trained.py); the builder takes them in place of the seeded ones.
+    trained: str | None = None
 
     @property
     def embedded(self) -> bool:
@@ -198,6 +201,9 @@ def parse_registry(doc: dict, source: str = "models.yaml") -> dict[str, ModelEnt
             compute_dtype=dict(merged["compute_dtype"]),
             arch=_parse_arch(f"{where} arch", merged["arch"]),
             seed=_typed(where, "seed", merged.get("seed", 0), int),
+            trained=None
+            if merged.get("trained") is None
+            else _typed(where, "trained", merged["trained"], str),
         )
     return entries
 
