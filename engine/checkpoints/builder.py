@@ -163,7 +163,7 @@ def _generate(spec: TensorSpec, seed: int) -> np.ndarray:
 
 def _values(spec: TensorSpec, seed: int, trained: Trained | None) -> np.ndarray:
     """The tensor's float32 values: seeded, or from the trained file (embedding: its rows over
-    seeded rows at the file's `untrained_std`)."""
+    seeded rows at the file's `untrained_std`; the untrained MTP head seeded)."""
     if trained is None:
         return _generate(spec, seed)
     if spec.name == EMBED:
@@ -174,6 +174,8 @@ def _values(spec: TensorSpec, seed: int, trained: Trained | None) -> np.ndarray:
         x[ids] = rows
         return x
     x = trained.tensors.get(spec.name)
+    if x is None and spec.name.startswith("mtp."):  # the MTP head is not trained: seeded
+        return _generate(spec, seed)
     if x is None or tuple(x.shape) != spec.shape:
         got = "missing" if x is None else f"shape {tuple(x.shape)}"
         raise ValueError(f"{trained.path}: tensor {spec.name} {got}, the entry needs {spec.shape}")
