@@ -364,7 +364,22 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Qwen35(nn.Module):
+class LanguageHead:
+    """The LM head over `hidden`'s states, shared by every model with this interface (the
+    whole model here; rank 0 of a pipeline, runtime.shard): `arch`, `embed_tokens`, and
+    `lm_head` when the embeddings are not tied."""
+
+    def logits(self, h: mx.array) -> mx.array:
+        if self.arch.tie_word_embeddings:
+            return self.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def __call__(self, ids: mx.array, caches: list, *, last_only: bool = False) -> mx.array:
+        h = self.hidden(ids, caches)
+        return self.logits(h[:, -1:] if last_only else h)
+
+
+class Qwen35(LanguageHead, nn.Module):
     """The text model. `__call__(ids, caches)` advances the caches and returns logits.
 
     With `mtp`, the checkpoint's MTP head (runtime.mtp) is built too, and its cache rides
@@ -415,15 +430,6 @@ class Qwen35(nn.Module):
         if len(caches) > len(self.layers):  # the MTP head's cache follows the target
             self.mtp.advance(embeds, h, caches[len(self.layers)])
         return h
-
-    def logits(self, h: mx.array) -> mx.array:
-        if self.arch.tie_word_embeddings:
-            return self.embed_tokens.as_linear(h)
-        return self.lm_head(h)
-
-    def __call__(self, ids: mx.array, caches: list, *, last_only: bool = False) -> mx.array:
-        h = self.hidden(ids, caches)
-        return self.logits(h[:, -1:] if last_only else h)
 
 
 _NORM_SUFFIXES = (

@@ -41,7 +41,7 @@ import mlx.nn as nn
 
 from ..checkpoints.registry import Architecture
 from .cache import KV_STEP, KVCache, RecurrentCache
-from .model import DecoderLayer, ModelOptions, RMSNorm
+from .model import DecoderLayer, LanguageHead, ModelOptions, RMSNorm
 
 MODES = ("pipeline",)
 PROTOCOL = 1
@@ -312,7 +312,7 @@ def _ref(a: RemoteArray | None) -> int:
     return 0 if a is None else a.id
 
 
-class PipelineModel(nn.Module):
+class PipelineModel(LanguageHead, nn.Module):
     """Rank 0's model: the embedding, its layers, the norm and the head; the other layers
     run on the followers, reached through `hidden`. The interface of `model.Qwen35`."""
 
@@ -379,15 +379,6 @@ class PipelineModel(nn.Module):
         for layer, cache in zip(self.layers[self._start :], caches[self._start :]):
             h = layer(h, cache)
         return self.norm(h)
-
-    def logits(self, h: mx.array) -> mx.array:
-        if self.arch.tie_word_embeddings:
-            return self.embed_tokens.as_linear(h)
-        return self.lm_head(h)
-
-    def __call__(self, ids: mx.array, caches: list, *, last_only: bool = False) -> mx.array:
-        h = self.hidden(ids, caches)
-        return self.logits(h[:, -1:] if last_only else h)
 
     def _forward_payload(self, remote: list, T: int, dtype: int):
         """The step's message for the followers, and what to do on rank 0 once it ran."""
