@@ -22,7 +22,9 @@ def run(model: str, batches: list[int], context: int, steps: int, repeats: int) 
     from engine.runtime.generate import eval_caches, prefill
     from engine.runtime.step import Row, forward
 
-    eng = engine.load(model)
+    from bench.common import model_path
+
+    eng = engine.load(str(model_path(model)))
     net = eng.model
     rows = []
     for b in range(max(batches)):

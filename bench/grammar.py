@@ -136,12 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (best kept)")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--models-dir", default=None, help="where registry models are built")
     args = ap.parse_args(argv)
 
     import engine
+    from bench.common import model_path
     from engine.runtime import grammar
 
-    eng = engine.load(args.model)
+    eng = engine.load(str(model_path(args.model, args.models_dir)))
     load_before = conditions()["load_average"]
     t = time.perf_counter()
     grammar.tokenizer_for(eng)
