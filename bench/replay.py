@@ -15,7 +15,14 @@ One run plays the same conversation (bench/conversation.py) through:
   BLAS: the part of the gain that is the cache and the engine, not the BLAS;
 - ``mlx_lm_prompt_cache``: mlx-lm's ``LRUPromptCache`` driven the way ``mlx_lm.server`` does,
   with its checkpoints at the end of the system prompt, at the prompt end before the think
-  tail, and at the end of generation; in this process, on the fast BLAS.
+  tail, and at the end of generation; in this process, on the fast BLAS;
+- ``chatml_lookup``, ``chatml_mtp`` (only when asked for with ``--engines``: each loads the
+  model once more): the ``chatml`` session on an engine loaded with ``speculative="lookup"``
+  or ``"mtp"`` (``--num-draft``, adaptive k). Their answers must be the plain session's token
+  for token (greedy), which each row checks (``same_tokens``); the rows add the drafted and
+  accepted tokens. With random weights the real acceptance is what drafting against noise
+  gets: these rows measure what the drafters cost and save on a real chat's prompts, not the
+  speed-up of trained weights.
 
 Every engine sees the same prompt ids per turn: this engine renders each prompt (its history
 is what it generated) and mlx-lm is fed ``Turn.prompt_ids``. Decoding is greedy with the
@@ -39,14 +46,20 @@ from bench.common import conditions, load_mlx_lm, model_path, special_ids, write
 from bench.conversation import SYSTEM, user_turns
 
 ENGINES = (
-    "chatml", "chatml_warm", "mlx_lm_stock", "mlx_lm_stock_fast_blas", "mlx_lm_prompt_cache"
+    "chatml", "chatml_warm", "mlx_lm_stock", "mlx_lm_stock_fast_blas", "mlx_lm_prompt_cache",
+    "chatml_lookup", "chatml_mtp",
 )  # fmt: skip
+# series -> engine.load(speculative=...)
+SPECULATIVE = {"chatml_lookup": "lookup", "chatml_mtp": "mtp"}
+DEFAULT_ENGINES = tuple(e for e in ENGINES if e not in SPECULATIVE)
 LABELS = {
     "chatml": "chatml",
     "chatml_warm": "chatml (warm)",
     "mlx_lm_stock": "mlx-lm stock",
     "mlx_lm_stock_fast_blas": "stock + fast BLAS",
     "mlx_lm_prompt_cache": "mlx-lm prompt cache",
+    "chatml_lookup": "chatml + lookup drafts",
+    "chatml_mtp": "chatml + MTP drafts",
 }
 BASELINES = ("mlx_lm_stock", "mlx_lm_stock_fast_blas", "mlx_lm_prompt_cache")
 
@@ -59,20 +72,29 @@ def masked_sampling(banned: list[int]) -> Iterator[None]:
     """Make the engine's sessions sample with `banned` ids at -inf (no EOS, no special tokens).
 
     The Session API has no logits processor, so the benchmark swaps the Sampler class the
-    session module builds its samplers from, for the duration of the run.
+    session module builds its samplers from, for the duration of the run; the ban is a link of
+    the sampler's chain, so a speculative verify step applies it at every position too.
     """
     import mlx.core as mx
 
     import engine.session as session_module
+    from engine.runtime.sampling import LogitsProcessor, processors_for
 
     original = session_module.Sampler
-    idx = mx.array(banned)
+    bias = None
+
+    class Ban(LogitsProcessor):
+        def __call__(self, logits, history):
+            nonlocal bias
+            if bias is None or bias.shape != logits.shape[-1:]:
+                bias = mx.zeros(logits.shape[-1:], dtype=mx.float32)
+                bias[mx.array(banned)] = -mx.inf
+            return logits + bias
 
     class MaskedSampler(original):
-        def __call__(self, logits, recent):
-            logits = logits.astype(mx.float32)
-            logits[idx] = -mx.inf
-            return super().__call__(logits, recent)
+        def __init__(self, params, processors=None, **kw):
+            chain = processors_for(params) if processors is None else processors
+            super().__init__(params, [Ban(), *chain], **kw)
 
     session_module.Sampler = MaskedSampler
     try:
@@ -117,9 +139,10 @@ def run(
     turns: int = 20,
     thinking: bool = False,
     max_tokens: int = 32,
-    engines: tuple[str, ...] = ENGINES,
+    engines: tuple[str, ...] = DEFAULT_ENGINES,
     models_dir: str | None = None,
     progress: bool = True,
+    num_draft: int = 4,
 ) -> dict:
     """Play the conversation; returns {"conditions", "turns", "engines": {name: [rows]}}."""
     import engine as chatml
@@ -151,11 +174,17 @@ def run(
     pcache = None
     if "mlx_lm_prompt_cache" in engines:
         pcache = mlx_lm_series.PromptCache(lm_model, lm_tok)
+    drafting = {  # series -> its session, on an engine of its own
+        name: chatml.load(path, speculative=SPECULATIVE[name], num_draft=num_draft).session(
+            SYSTEM, max_exchanges=6, enable_thinking=thinking)
+        for name in SPECULATIVE if name in engines
+    }  # fmt: skip
 
     _warm_up(eng, lm_model, lm_tok, processor)
     results: dict[str, list[dict]] = {e: [] for e in engines if e != "chatml_warm"}
     if warm_session is not None:
         results["chatml_warm"] = []
+    results.update({name: [] for name in drafting})
     per_turn: list[dict] = []
     prev_dropped = None
     messages = user_turns(turns)
@@ -195,6 +224,8 @@ def run(
             if pcache is not None:
                 row = pcache.turn(ids, prompt.boundaries.system_end, max_tokens, processor)
                 results["mlx_lm_prompt_cache"].append({**info, **row})
+            for name, spec_session in drafting.items():
+                results[name].append(_drafting_turn(spec_session, text, max_tokens, turn, info))
             if warm_session is not None:  # idle time after the answer, before the next message
                 _warm(warm_session, results["chatml_warm"][-1], last=i == len(messages))
             bar.update(1)
@@ -214,6 +245,7 @@ def run(
         thinking=thinking,
         max_tokens=max_tokens,
         max_exchanges=6,
+        num_draft=num_draft if drafting else None,
         decoding="greedy, special tokens masked: every engine decodes exactly max_tokens",
         prefill_step_mlx_lm=mlx_lm_series.PREFILL_STEP,
         mlx_lm_blas={
@@ -250,6 +282,18 @@ def _warm_turn(session, text: str, max_tokens: int, ids: list[int], info: dict) 
     row["warm_tokens_stat"] = getattr(turn.stats, "warm_tokens", 0)
     row["met_minimum"] = turn.stats.prefilled_tokens <= info["min_prefill_tokens"]
     return row
+
+
+def _drafting_turn(session, text: str, max_tokens: int, plain, info: dict) -> dict:
+    """One turn of a speculative series, checked against the plain session's answer."""
+    turn = session.send(text, max_tokens=max_tokens)
+    s = turn.stats
+    return {
+        **info, **_chatml_row(turn),
+        "same_tokens": turn.token_ids == plain.token_ids and turn.prompt_ids == plain.prompt_ids,
+        "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
+        "tokens_per_verify": s.tokens_per_verify,
+    }  # fmt: skip
 
 
 def _warm(session, row: dict, last: bool) -> None:
@@ -308,6 +352,18 @@ def summary(result: dict) -> dict:
         ttft = [r["ttft_s"] for r in e[name] if r["turn"] >= 3]
         out[f"{name}_decode_tps_median"] = median(tps) if tps else 0.0
         out[f"{name}_ttft_s_sum_from_turn3"] = sum(ttft)
+    for name in SPECULATIVE:
+        rows = e.get(name, [])
+        if rows:
+            drafted = sum(r["drafted_tokens"] for r in rows)
+            out[f"{name}_same_tokens_all_turns"] = all(r["same_tokens"] for r in rows)
+            out[f"{name}_acceptance_rate"] = (
+                sum(r["accepted_tokens"] for r in rows) / drafted if drafted else 0.0
+            )
+            if out.get("chatml_decode_tps_median"):
+                out[f"{name}_decode_vs_chatml"] = (
+                    out[f"{name}_decode_tps_median"] / out["chatml_decode_tps_median"]
+                )
     for base in BASELINES:
         if out.get(f"{base}_decode_tps_median") and "chatml" in e:
             out[f"chatml_decode_vs_{base}"] = (
@@ -395,7 +451,9 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--thinking", choices=["on", "off"], default="off")
     ap.add_argument("--max-tokens", type=int, default=32, help="decode tokens per turn (fixed)")
-    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset")
+    ap.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                    help=f"comma-separated, from {', '.join(ENGINES)}")  # fmt: skip
+    ap.add_argument("--num-draft", type=int, default=4, help="k of the drafting series")
     ap.add_argument("--models-dir", help="where big checkpoints are built and cached")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", help="write a PNG plot here")
@@ -408,6 +466,7 @@ def main() -> None:
     result = run(
         a.model, turns=a.turns, thinking=a.thinking == "on", max_tokens=a.max_tokens,
         engines=engines, models_dir=a.models_dir, progress=not a.no_progress,
+        num_draft=a.num_draft,
     )  # fmt: skip
     result["summary"] = summary(result)
     print_table(result)

@@ -109,3 +109,21 @@ def test_medians_are_true_medians_and_slower_turns_are_named(capsys):
     out = capsys.readouterr().out
     assert "chatml 5.00, mlx-lm stock 5.00" in out
     assert "chatml slower than mlx-lm stock on turns: first token 4; decode 1, 2" in out
+
+
+def test_drafting_series_decode_what_plain_decoding_does():
+    """The lookup and MTP series replay the same chat with every token equal to the plain
+    session's (greedy), the ban on special tokens applying inside verify steps too."""
+    result = replay.run("tiny", turns=2, max_tokens=6, progress=False,
+                        engines=("chatml", "chatml_lookup", "chatml_mtp"))  # fmt: skip
+    for name in ("chatml_lookup", "chatml_mtp"):
+        rows = result["engines"][name]
+        assert [r["turn"] for r in rows] == [1, 2]
+        assert all(r["same_tokens"] and r["generated_tokens"] == 6 for r in rows)
+        assert all(r["accepted_tokens"] <= r["drafted_tokens"] for r in rows)
+    summary = replay.summary(result)
+    assert (
+        summary["chatml_lookup_same_tokens_all_turns"]
+        and summary["chatml_mtp_same_tokens_all_turns"]
+    )
+    assert result["conditions"]["num_draft"] == 4
