@@ -9,6 +9,13 @@ streamed chunk with text, measured at the client), the share of prompt tokens se
 cache, and the server's batch counters (mean and widest batch). `--max-batch 1` serves one
 request at a time (the baseline); `--url` of an `mlx_lm.server` measures that peer. Prints a
 table per count, then one JSON line each.
+
+`--check-reuse` (in-process server only) also plays each client's conversation alone, one
+after the other, before the concurrent run (the pool emptied before each part), and compares
+every (client, turn): batching must cost neither reuse (`cached_tokens` at least those of
+the conversation played alone: `reuse_lost` lists (client, turn, difference) where not;
+`reuse_gained` where a concurrent client had already computed a shared prefix) nor exactness
+(greedy answers equal).
 """
 
 from __future__ import annotations
@@ -51,11 +58,70 @@ def _conversation(client, model, k, args, deadline, records, lock) -> None:
         messages.append({"role": "assistant", "content": "".join(text)})
         with lock:
             records.append({
+                "client": k, "turn": t, "text": "".join(text),
                 "ttft_s": (first or end) - start, "total_s": end - start,
                 "prompt_tokens": usage.prompt_tokens,
                 "cached_tokens": usage.prompt_tokens_details.cached_tokens,
                 "completion_tokens": usage.completion_tokens,
             })  # fmt: skip
+
+
+def _empty_pool(eng) -> None:
+    """Forget every cached prefix of the engine's pool (on its model thread)."""
+    pool = eng.stateless.pool
+    eng.worker.call(lambda: [s.drop_cache() for s in pool.sequences])
+
+
+def _play(client, args, clients, deadline) -> tuple[list[dict], float]:
+    """`clients` concurrent conversations; (their records, wall seconds)."""
+    records: list[dict] = []
+    lock = threading.Lock()
+    start = time.perf_counter()
+    threads = [
+        threading.Thread(
+            target=_conversation, args=(client, args.model, k, args, deadline, records, lock)
+        )
+        for k in range(clients)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return records, time.perf_counter() - start
+
+
+def _alone(client, args, clients, eng) -> dict:
+    """Each conversation played alone on an empty pool: {(client, turn): record}."""
+    alone = {}
+    for k in range(clients):
+        _empty_pool(eng)
+        records: list[dict] = []
+        _conversation(client, args.model, k, args, float("inf"), records, threading.Lock())
+        alone.update({(r["client"], r["turn"]): r for r in records})
+    _empty_pool(eng)
+    return alone
+
+
+def _compare(alone: dict, records: list[dict], clients: int, turns: int) -> dict:
+    """The concurrent run's cached tokens and answers against the conversations alone."""
+    together = {(r["client"], r["turn"]): r for r in records}
+
+    def delta(key):
+        return together[key]["cached_tokens"] - alone[key]["cached_tokens"]
+
+    text = [list(key) for key, r in together.items() if r["text"] != alone[key]["text"]]
+    return {
+        "all_turns_played": len(together) == len(alone),
+        # Fewer cached tokens than alone would be reuse lost to batching; more is a prefix
+        # (the shared system prompt) another client's request had already computed.
+        "reuse_lost": [[*key, delta(key)] for key in together if delta(key) < 0],
+        "reuse_gained": [[*key, delta(key)] for key in together if delta(key) > 0],
+        "answers_equal_to_alone": not text and len(together) == len(alone),
+        "answers_differ": text,
+        "cached_tokens_by_turn": [
+            [together[(k, t)]["cached_tokens"] for k in range(clients)] for t in range(turns)
+        ],
+    }
 
 
 def run(args, clients: int, url: str | None = None, eng=None) -> dict:
@@ -72,22 +138,11 @@ def run(args, clients: int, url: str | None = None, eng=None) -> dict:
     client.chat.completions.create(
         model=args.model, messages=[{"role": "user", "content": "warm up"}], max_tokens=2
     )
+    alone = _alone(client, args, clients, eng) if args.check_reuse and eng is not None else None
     batch_before = eng.batch_stats if eng is not None else None
-    records: list[dict] = []
-    lock = threading.Lock()
-    start = time.perf_counter()
-    deadline = time.monotonic() + args.time_limit
-    threads = [
-        threading.Thread(
-            target=_conversation, args=(client, args.model, k, args, deadline, records, lock)
-        )
-        for k in range(clients)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
+    deadline = float("inf") if alone else time.monotonic() + args.time_limit
+    records, elapsed = _play(client, args, clients, deadline)
+    check = _compare(alone, records, clients, args.turns) if alone else {}
     if server is not None:
         server.stop()
     ttft = [r["ttft_s"] for r in records]
@@ -117,6 +172,7 @@ def run(args, clients: int, url: str | None = None, eng=None) -> dict:
         "decode_tps": round(completion / elapsed, 2),
         "per_client_tps": round(completion / elapsed / clients, 2),
         **batch,
+        **check,
         "uptime": _uptime(),
         "platform": f"{platform.system()} {platform.machine()}",
     }
@@ -142,7 +198,11 @@ def main() -> None:
     p.add_argument("--time-limit", type=float, default=60.0, help="no new request after this")
     p.add_argument("--system", default="You are a helpful assistant. " * 20)
     p.add_argument("--question", default="please explain how the cache is reused. " * 4)
+    p.add_argument("--check-reuse", action="store_true",
+                   help="compare each conversation's cached tokens and answers with it alone")  # fmt: skip
     args = p.parse_args()
+    if args.check_reuse and args.url:
+        p.error("--check-reuse needs the in-process server (no --url)")
     eng = None
     if args.url is None:
         import engine
