@@ -163,6 +163,7 @@ def _run(eng, tokens: int, variant: str | None = None, spec: dict | None = None,
     if stats is not None:
         out["acceptance"] = round(stats.acceptance_rate, 3)
         out["tokens_per_verify"] = round(stats.tokens_per_verify, 2)
+        out["cut"] = stats.cut
     return out
 
 
@@ -236,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     for v in SPECULATIVE:
         b = best[v]
         print(f"  {v:<20} {b['decode_tokens_per_s']:7.2f} ({speedup[v]:.2f}x; acceptance "
-              f"{b['acceptance']:.2f}, {b['tokens_per_verify']:.2f} tokens/verify)")  # fmt: skip
+              f"{b['acceptance']:.2f}, {b['tokens_per_verify']:.2f} tokens/verify, "
+              f"{b['cut']} draft tokens cut by the grammar)")  # fmt: skip
     print(f"grammar compile (typical schema): {compile_s * 1e3:.1f} ms, cached "
           f"{cached_s * 1e3:.2f} ms; llguidance tokenizer {tokenizer_s:.2f} s (once)")  # fmt: skip
     print(f"TTFT: unconstrained {plain['ttft_s'] * 1e3:.0f} ms, cold grammar "

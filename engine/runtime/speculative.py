@@ -98,6 +98,7 @@ class SpeculationStats:
     accepted: int = 0  # of those, how many stood
     verifies: int = 0  # verify steps run
     verify_tokens: int = 0  # tokens those steps produced (accepted drafts + one of the model's)
+    cut: int = 0  # proposed tokens dropped before verifying (from the first a grammar refused)
 
     @property
     def acceptance_rate(self) -> float:
@@ -271,7 +272,9 @@ def _speculate(model, caches, logits, sampler, max_tokens, stops, history, draft
         k = min(policy.next(), room - 1)
         t = time.perf_counter()  # drafting counts in a verify's cost (MTP: k head steps)
         drafts = drafter.propose(history, k) if k > 0 else []
-        drafts = drafts[: sampler.allowed(drafts)]  # a grammar cuts what it would refuse
+        allowed = sampler.allowed(drafts)  # a grammar cuts what it would refuse
+        stats.cut += len(drafts) - allowed
+        drafts = drafts[:allowed]
         if not drafts:  # the plain loop (pipelined) for a while, or one step
             m = min(room, policy.plain_tokens() if k == 0 else policy.after_empty())
             ((step_logits, _),) = forward(model, [Row(caches, [token])])
