@@ -18,6 +18,15 @@ ever slows a run down):
   (its host time per token also reported);
 - grammar: the same, the mask computed while the device computes the logits (the default).
 
+Then the grammar under speculative decoding, each against `grammar` (plain constrained
+decoding) run beside it in the same rounds, its tokens checked equal to plain's:
+
+- spec_lookup: prompt lookup with the adaptive draft length (what `speculative="lookup"`
+  runs);
+- spec_injected_R: the plain constrained answer itself drafted, k = 4, each draft token wrong
+  with probability R (0, 0.5, 1): the mechanism at known acceptance (random weights make real
+  acceptance meaningless). A wrong token the grammar refuses is cut before verifying.
+
 Ends with one JSON line.
 """
 
@@ -37,6 +46,7 @@ SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength
           "maxLength": 400}}, "required": ["text"]}  # fmt: skip
 VARIANTS = ("unconstrained", "one_step_at_a_time", "all_allowed_mask", "grammar_serial",
             "grammar")  # fmt: skip
+SPECULATIVE = ("spec_lookup", "spec_injected_0", "spec_injected_0.5", "spec_injected_1")
 
 
 def _spec(schema: dict) -> dict:
@@ -102,31 +112,58 @@ def _sampler(eng, variant: str | None, spec: dict | None):
     return make_sampler(eng, SamplingParams(), thinking=False, spec=spec)
 
 
-def _run(eng, tokens: int, variant: str | None = None, spec: dict | None = None) -> dict:
-    """Fresh prefill, then `tokens` greedy steps: ttft_s, decode tokens/s (and the grammar's
-    host time per token)."""
+def _drafter(variant: str, truth: list[int], prompt_len: int):
+    """The drafter and draft policy of a `SPECULATIVE` variant."""
+    from engine.runtime.speculative import DraftLength, InjectedDrafter, LookupDrafter
+
+    if variant == "spec_lookup":
+        return LookupDrafter(), DraftLength(4)
+    rate = float(variant.rsplit("_", 1)[1])
+    return InjectedDrafter(truth, prompt_len, rate), DraftLength(4, adaptive=False)
+
+
+def _run(eng, tokens: int, variant: str | None = None, spec: dict | None = None,
+         truth: list[int] | None = None) -> dict:  # fmt: skip
+    """Fresh prefill, then `tokens` greedy steps: ttft_s, decode tokens/s, the tokens (and the
+    grammar's host time per token; speculation's acceptance)."""
     from engine.runtime.generate import decode, prefill
     from engine.runtime.grammar import GrammarProcessor
+    from engine.runtime.speculative import SpeculationStats, speculative_decode
 
     ids = eng.tokenizer.encode(f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n")
     t0 = time.perf_counter()
     sampler = _sampler(eng, variant, spec)
     timed = None
     for i, p in enumerate(sampler.processors):
-        if isinstance(p, GrammarProcessor):
+        if isinstance(p, GrammarProcessor) and variant not in SPECULATIVE:  # drafts: bare
             p.overlap = variant != "grammar_serial"
             timed = sampler.processors[i] = _timed(p)
     caches = eng.model.make_caches()
     logits, _ = prefill(eng.model, caches, ids, 0)
-    steps = decode(eng.model, caches, logits, sampler, max_tokens=tokens, stop_ids=(),
-                   history=list(ids))  # fmt: skip
-    next(steps)
+    stats = None
+    if variant in SPECULATIVE:
+        drafter, policy = _drafter(variant, truth or [], len(ids))
+        stats = SpeculationStats()
+        steps = speculative_decode(
+            eng.model, caches, logits, sampler, max_tokens=tokens, stop_ids=(),
+            history=list(ids), drafter=drafter, policy=policy, stats=stats,
+        )  # fmt: skip
+    else:
+        steps = decode(eng.model, caches, logits, sampler, max_tokens=tokens, stop_ids=(),
+                       history=list(ids))  # fmt: skip
+    got = [next(steps)]
     t1 = time.perf_counter()
-    n = 1 + sum(1 for _ in steps)
+    got += list(steps)
     t2 = time.perf_counter()
-    out = {"ttft_s": t1 - t0, "decode_tokens_per_s": (n - 1) / (t2 - t1), "tokens": n}
+    n = len(got)
+    out = {"ttft_s": t1 - t0, "decode_tokens_per_s": (n - 1) / (t2 - t1), "tokens": n,
+           "ids": got}  # fmt: skip
     if timed is not None:
         out["mask_host_ms_per_token"] = timed.host_s / n * 1e3
+    if stats is not None:
+        out["acceptance"] = round(stats.acceptance_rate, 3)
+        out["tokens_per_verify"] = round(stats.tokens_per_verify, 2)
+        out["cut"] = stats.cut
     return out
 
 
@@ -163,14 +200,24 @@ def main(argv: list[str] | None = None) -> int:
     plain = _run(eng, args.tokens)
     cold = _run(eng, args.tokens, spec=_spec({**SCHEMA, "description": uuid.uuid4().hex}))
     cached = _run(eng, args.tokens, spec=_spec(SCHEMA))
-    rounds: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    truth = cached["ids"]
+    for v in SPECULATIVE[1:]:  # warm-up: compile the verify shapes
+        _run(eng, 8, v, _spec(SCHEMA), truth)
+    rounds: dict[str, list[dict]] = {v: [] for v in VARIANTS + SPECULATIVE}
     for _ in range(args.repeats):
-        for v in VARIANTS:
-            spec = _spec(SCHEMA) if v.startswith("grammar") else None
-            rounds[v].append(_run(eng, args.tokens, v, spec))
+        for v in VARIANTS + SPECULATIVE:
+            spec = None if v in VARIANTS[:3] else _spec(SCHEMA)
+            rounds[v].append(run := _run(eng, args.tokens, v, spec, truth))
+            if spec is not None and run["ids"] != truth:
+                raise SystemExit(f"{v}: the constrained answer differs from plain decoding's")
+    for r in rounds.values():
+        for run in r:
+            del run["ids"]
     best = {v: max(r, key=lambda x: x["decode_tokens_per_s"]) for v, r in rounds.items()}
     base = best["unconstrained"]["decode_tokens_per_s"]
     slower = {v: 1 - best[v]["decode_tokens_per_s"] / base for v in VARIANTS}
+    grammar_tps = best["grammar"]["decode_tokens_per_s"]
+    speedup = {v: best[v]["decode_tokens_per_s"] / grammar_tps for v in SPECULATIVE}
     result = {
         "bench": "grammar", "model": args.model, "conditions": conditions(),
         "load_average_before": load_before, "tokens": args.tokens, "repeats": args.repeats,
@@ -178,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile_cached_s": cached_s, "ttft": {"unconstrained": plain, "constrained_cold": cold,
                                                 "constrained_cached": cached},
         "decode_best": best, "decode_rounds": rounds, "slower_fraction": slower,
+        "speculative_speedup_vs_grammar": speedup,
     }  # fmt: skip
     print(f"load average: before {load_before}, after {result['conditions']['load_average']}")
     print(f"decode tok/s, best of {args.repeats} interleaved rounds of {args.tokens} tokens:")
@@ -185,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
         extra = best[v].get("mask_host_ms_per_token")
         host = f", mask on the host {extra:.2f} ms/token" if extra is not None else ""
         print(f"  {v:<20} {best[v]['decode_tokens_per_s']:7.2f} ({slower[v]:+.1%} slower{host})")
+    print("constrained under speculative decoding (vs grammar, plain constrained decoding):")
+    for v in SPECULATIVE:
+        b = best[v]
+        print(f"  {v:<20} {b['decode_tokens_per_s']:7.2f} ({speedup[v]:.2f}x; acceptance "
+              f"{b['acceptance']:.2f}, {b['tokens_per_verify']:.2f} tokens/verify, "
+              f"{b['cut']} draft tokens cut by the grammar)")  # fmt: skip
     print(f"grammar compile (typical schema): {compile_s * 1e3:.1f} ms, cached "
           f"{cached_s * 1e3:.2f} ms; llguidance tokenizer {tokenizer_s:.2f} s (once)")  # fmt: skip
     print(f"TTFT: unconstrained {plain['ttft_s'] * 1e3:.0f} ms, cold grammar "

@@ -6,7 +6,10 @@ model's tokenizer and, before each pick, computes the set of tokens that can con
 answer; every other logit becomes -inf. Once the answer is complete only the stop token stays
 allowed. The matcher lives on the host and advances by the tokens read, so a constrained row
 decodes one step at a time (`reads_history`); the mask is computed while the model computes
-the step's logits (`overlap`).
+the step's logits (`overlap`). Under speculative decoding a draft is cut at the first token
+the matcher refuses (`allows`), and each verified position is masked for its own prefix:
+the matcher takes the drafts one by one as the masks are computed, then rolls them back
+(`draft`, `restore`); the tokens that stand are then accepted as plain decoding's are.
 
 With a think block open (thinking mode) the constraint starts after `</think>`: the
 reasoning is free, the answer is constrained (up to two leading newlines allowed, as the
@@ -239,6 +242,7 @@ class GrammarProcessor(LogitsProcessor):
     """Masks every token that cannot continue an answer matching `spec`."""
 
     reads_history = True  # the matcher advances by the tokens read on the host
+    speculates = True  # drafts go through the matcher and are rolled back (`draft`, `restore`)
     overlap = True  # queue the step's logits before computing the mask (bench/grammar.py)
 
     def __init__(self, engine, spec: dict, *, start_after: int | None = None):
@@ -246,6 +250,8 @@ class GrammarProcessor(LogitsProcessor):
         self.matcher = _compiled(grammar_text(spec), self.llt).deep_copy()
         self.active = start_after is None  # else: waits for that token (`</think>`)
         self.start_after = start_after
+        self.stops = frozenset(engine.stop_ids)
+        self.drafted = 0  # draft tokens the matcher holds (`draft`), undone by `restore`
         self._words = (self.llt.vocab_size + 31) // 32
 
     def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
@@ -265,6 +271,41 @@ class GrammarProcessor(LogitsProcessor):
                 continue
             if not self.matcher.consume_token(t):
                 raise GrammarError(f"token {t} breaks the grammar: {self.matcher.get_error()}")
+
+    def allows(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` the grammar could pick in turn (the matcher checks them
+        without moving): a speculative draft is cut there."""
+        free = 0
+        if not self.active:  # free reasoning, up to and including `</think>`
+            while free < len(tokens) and tokens[free] != self.start_after:
+                free += 1
+            if free == len(tokens):
+                return free
+            free += 1
+        return free + self.matcher.validate_tokens(list(tokens[free:]))
+
+    def draft(self, token: int) -> None:
+        """Move the matcher as if `token` were picked, so the next verified position gets the
+        mask for its own prefix. A stop token is not consumed (the answer ends there, and
+        llguidance's rollback of one misses a token), nor one the grammar refuses (the
+        matcher would never leave its error state): no draft after either can stand, so the
+        masks after it are never read."""
+        if not self.active:
+            self.active = token == self.start_after
+        elif token not in self.stops and self.matcher.try_consume_tokens([token]) == 1:
+            self.drafted += 1
+
+    def save(self) -> dict:
+        return {"active": self.active, "drafted": self.drafted}
+
+    def restore(self, state: dict) -> None:
+        """Back to a `save`d point: the matcher rolls back the drafts taken since."""
+        back = self.drafted - state["drafted"]
+        if back and not self.matcher.rollback(back):
+            raise GrammarError(
+                f"rolling back {back} draft tokens failed: {self.matcher.get_error()}"
+            )
+        self.drafted, self.active = state["drafted"], state["active"]
 
     @property
     def complete(self) -> bool:

@@ -16,7 +16,10 @@ restored by reference (`save`/`restore`): speculative decoding processes each ve
 position as if the drafts before it had been picked, then keeps only the picks that stood
 (`Sampler.process_drafts`, `Sampler.stood`). A processor that needs the tokens read on the
 host (a grammar matcher that advances by accepted tokens) says so with `reads_history`:
-decoding then runs one step at a time (see `generate.decode`).
+decoding then runs one step at a time (see `generate.decode`). It can still verify drafts:
+it takes each draft on the host as if picked (`draft`) and rolls back after (`restore`), so
+each verified position is masked for its own prefix, and `allows` says where a draft stops
+being one it could ever pick (the draft is cut there, before verifying).
 """
 
 from __future__ import annotations
@@ -114,6 +117,13 @@ class LogitsProcessor:
 
     reads_history = False
 
+    @property
+    def speculates(self) -> bool:
+        """Whether a verify step can process drafts through this processor: one with device
+        state does (`advance`, `save`, `restore`); one that reads the host's tokens does only
+        if it also takes drafts on the host and undoes them (`draft`, `restore`: a grammar)."""
+        return not self.reads_history
+
     def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
         raise NotImplementedError
 
@@ -122,6 +132,15 @@ class LogitsProcessor:
 
     def accept(self, tokens: Sequence[int]) -> None:
         """Tokens that stood, read on the host (a grammar matcher advances here)."""
+
+    def allows(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` could be picked in turn from here (a grammar's matcher
+        checks them); a draft past that could never stand."""
+        return len(tokens)
+
+    def draft(self, token: int) -> None:
+        """Host side of a draft taken as if picked (`Sampler.process_drafts`, which restores
+        the processor after); `advance` gets the same token on the device side."""
 
     def save(self) -> dict:
         """The device-side state, by reference (processors rebind their arrays, never write
@@ -251,9 +270,18 @@ class Sampler:
                 pick = mx.array(drafts[i], dtype=mx.uint32)  # as mx.argmax's picks are
                 for p in self.processors:
                     p.advance(pick)
+                    p.draft(drafts[i])
         for p, state in zip(self.processors, saved):
             p.restore(state)
         return mx.stack(rows)
+
+    def allowed(self, drafts: Sequence[int]) -> int:
+        """How many leading `drafts` every processor allows (`LogitsProcessor.allows`): the
+        drafts worth verifying."""
+        n = len(drafts)
+        for p in self.processors:
+            n = min(n, p.allows(drafts[:n]))
+        return n
 
     def stood(self, tokens: Sequence[int]) -> None:
         """The tokens a verify step emitted, in order: the processors advance by each but the
@@ -265,6 +293,14 @@ class Sampler:
                 p.advance(pick)
         if tokens:
             self._last = mx.array(tokens[-1], dtype=mx.uint32)
+
+    def record(self, logits: mx.array, tokens: Sequence[int]) -> None:
+        """Queue the logprobs of `tokens` a verify step emitted (with `top_logprobs`), token
+        i picked after the model's raw logits `logits[i]`: as `sample` queues its picks',
+        each read back by `accept`."""
+        if self.top_logprobs is not None:
+            for i, token in enumerate(tokens):
+                self._record(logits[i], mx.array(token, dtype=mx.uint32))
 
     def _record(self, logits: mx.array, token: mx.array) -> None:
         """Queue the model's logprob of `token` and the top alternatives (with the pick's

@@ -6,14 +6,18 @@ the model's argmax agrees with; sampling: the speculative sampling rule, so the 
 the target's distribution), and `step.rollback` trims the KV caches and restores the Gated
 DeltaNet conv and recurrent states to the last token that stands. Nothing is re-prefilled.
 
-Greedy output is token-for-token the plain loop's (`generate.decode`), penalties included:
-each verified position is processed as if the drafts before it had been picked (a presence
-or repetition penalty counts them), and the processors then advance by the tokens that stood
-(`Sampler.process_drafts`, `Sampler.stood`). A grammar reads the tokens on the host and
-logprobs are recorded per pick, so such samplers decode plainly. `DraftLength` picks k from
-the measured cost of drafting and verifying and the acceptance seen so far, and switches
-drafting off (the plain pipelined loop runs, with probes at growing intervals) when it does
-not pay.
+Greedy output is token-for-token the plain loop's (`generate.decode`), penalties and
+grammars included: each verified position is processed as if the drafts before it had been
+picked (a presence or repetition penalty counts them, a grammar's matcher takes them and
+masks that position for its own prefix, then rolls back), and the processors then advance
+by the tokens that stood (`Sampler.process_drafts`, `Sampler.stood`). A draft is cut at the
+first token a grammar refuses (`Sampler.allowed`): no verify position is spent on it.
+Logprobs of the tokens that stand come from the verify step's logits at their positions
+(`Sampler.record`), the logits plain decoding would have picked them after.
+
+`DraftLength` picks k from the measured cost of drafting and verifying and the acceptance
+seen so far, and switches drafting off (the plain pipelined loop runs, with probes at
+growing intervals) when it does not pay.
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ class SpeculationStats:
     accepted: int = 0  # of those, how many stood
     verifies: int = 0  # verify steps run
     verify_tokens: int = 0  # tokens those steps produced (accepted drafts + one of the model's)
+    cut: int = 0  # proposed tokens dropped before verifying (from the first a grammar refused)
 
     @property
     def acceptance_rate(self) -> float:
@@ -192,10 +197,10 @@ class Speculation:
 
     @staticmethod
     def applies(sampler: Sampler) -> bool:
-        """Whether `sampler` can verify drafts: no processor reads the tokens on the host (a
-        grammar matcher), and no logprobs are recorded (they are taken per pick, which a
-        verify does not make). Penalties and a thinking budget verify exactly."""
-        return not sampler.reads_history and getattr(sampler, "top_logprobs", None) is None
+        """Whether `sampler` can verify drafts: every processor can process them
+        (`LogitsProcessor.speculates`). Penalties, a thinking budget, a grammar and logprobs
+        all verify exactly; a custom processor that reads the host's tokens may not."""
+        return all(p.speculates for p in sampler.processors)
 
 
 def verify(sampler: Sampler, logits: mx.array, drafts: Sequence[int],
@@ -267,6 +272,9 @@ def _speculate(model, caches, logits, sampler, max_tokens, stops, history, draft
         k = min(policy.next(), room - 1)
         t = time.perf_counter()  # drafting counts in a verify's cost (MTP: k head steps)
         drafts = drafter.propose(history, k) if k > 0 else []
+        allowed = sampler.allowed(drafts)  # a grammar cuts what it would refuse
+        stats.cut += len(drafts) - allowed
+        drafts = drafts[:allowed]
         if not drafts:  # the plain loop (pipelined) for a while, or one step
             m = min(room, policy.plain_tokens() if k == 0 else policy.after_empty())
             ((step_logits, _),) = forward(model, [Row(caches, [token])])
@@ -294,6 +302,7 @@ def _speculate(model, caches, logits, sampler, max_tokens, stops, history, draft
         rollback(caches, mark, mark.start + n + (0 if stopped else 1))
         policy.record_verify(k, n, time.perf_counter() - t)
         sampler.stood(standing)
+        sampler.record(step_logits, standing)  # logprobs: token i was picked after row i
         stats.drafted += k
         stats.accepted += n
         stats.verifies += 1
