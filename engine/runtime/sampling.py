@@ -348,6 +348,8 @@ class Sampler:
         if p.top_k:
             kth = mx.sort(logits)[-min(p.top_k, logits.shape[0])]
             logits = mx.where(logits < kth, -mx.inf, logits)
+        if not p.min_p and p.top_p >= 1.0:
+            return logits  # no cut needs the probabilities: skip a softmax over the vocabulary
         probs = mx.softmax(logits)
         if p.min_p:
             logits = mx.where(probs < p.min_p * probs.max(), -mx.inf, logits)
