@@ -44,9 +44,9 @@ def openai_client(srv, key: str = "unused"):
 def mlx_lm_model(path: str | Path):
     """mlx-lm's own model for a checkpoint folder, once per folder per run. Without the
     tokenizer: building that is nearly all of `mlx_lm.load`'s time (seconds, 20+ s loaded)."""
-    from mlx_lm.utils import load_model
+    from bench.common import mlx_lm_model as load_model
 
-    return load_model(Path(path))[0]
+    return load_model(path)
 
 
 @functools.cache
