@@ -119,6 +119,14 @@ def model_path(name: str, models_dir: str | None = None, dtype: str = "float32")
     return out
 
 
+def mlx_lm_model(path: Path):
+    """mlx-lm's model for a checkpoint folder, without its tokenizer: building that is nearly
+    all of `mlx_lm.load`'s time, and a logits comparison never uses it."""
+    from mlx_lm.utils import load_model
+
+    return load_model(Path(path))[0]
+
+
 def load_mlx_lm(path: Path):
     """mlx-lm's own loader on the same folder, computing in float32 like the engine on CPU."""
     import mlx.core as mx

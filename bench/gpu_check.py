@@ -177,10 +177,11 @@ def _has_quantized(model) -> bool:
 def compare_with_mlx_lm(eng, path, quick: bool) -> dict:
     """Teacher-forced logits of the engine against mlx-lm on the same folder and ids."""
     import mlx.core as mx
-    from mlx_lm import load
     from mlx_lm.generate import generate_step
 
-    ref, _ = load(str(path))
+    from bench.common import mlx_lm_model
+
+    ref = mlx_lm_model(path)
     prompt = eng.tokenizer.encode(PROMPT * (1 if quick else 3))
     answer = [t for t, _ in generate_step(mx.array(prompt), ref, max_tokens=12)]
     ids = prompt + answer
@@ -274,12 +275,11 @@ def memory_section() -> dict:
 def speed_section(model: str, prefill_t: int, decode_n: int) -> dict:
     import mlx.core as mx
     import numpy as np
-    from mlx_lm import load
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
     import engine
-    from bench.common import model_path
+    from bench.common import mlx_lm_model, model_path
     from engine.runtime.generate import decode, prefill
     from engine.runtime.sampling import Sampler, SamplingParams
 
@@ -308,7 +308,7 @@ def speed_section(model: str, prefill_t: int, decode_n: int) -> dict:
     eng = caches = logits = None  # free the engine's weights before mlx-lm loads its own
     gc.collect()
 
-    ref, _ = load(str(path))
+    ref = mlx_lm_model(path)
     mx.eval(ref.parameters())
 
     def mlx_lm_prefill():

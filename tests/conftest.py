@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
+import platform
 import tempfile
 from pathlib import Path
 
@@ -10,9 +13,35 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+# Native kernel builds kept across test runs (one per CPU; `native` keys each build by its
+# sources, MLX, nanobind and Python). CHATML_TEST_KERNELS= (empty) builds afresh every run.
+KERNEL_CACHE = os.environ.get(
+    "CHATML_TEST_KERNELS", str(Path.home() / ".cache" / "chatml-engine-tests" / "kernels")
+)
+
+
+def _cpu_key() -> str:
+    """The build uses -march=native: a cached module is only for a CPU with the same flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = next(line for line in text.splitlines() if line.startswith(("flags", "Features")))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return f"{platform.machine()}-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+
+
+def _throwaway_home() -> str:
+    """This run's CHATML_HOME; its kernels/ is the cross-run cache (a ~30 s build saved)."""
+    home = Path(tempfile.mkdtemp(prefix="chatml-test-home-"))
+    if KERNEL_CACHE:
+        cache = Path(KERNEL_CACHE) / _cpu_key()
+        cache.mkdir(parents=True, exist_ok=True)
+        (home / "kernels").symlink_to(cache, target_is_directory=True)
+    return str(home)
+
 
 # Set before any test imports engine: every build goes to a throwaway home for this run.
-os.environ.setdefault("CHATML_HOME", tempfile.mkdtemp(prefix="chatml-test-home-"))
+os.environ.setdefault("CHATML_HOME", _throwaway_home())
 
 import engine  # noqa: E402,F401  (first: the fast BLAS must load before any test imports mlx)
 
@@ -21,10 +50,15 @@ import engine  # noqa: E402,F401  (first: the fast BLAS must load before any tes
 def native_kernels():
     """Build the native CPU kernels into this run's CHATML_HOME before any test: every float32
     CPU engine uses them, and a first build inside a CLI subprocess under a test's timeout
-    (~30 s of CPU, minutes on a loaded machine) would fail that test instead."""
+    (~30 s of CPU, minutes on a loaded machine) would fail that test instead. Built once per
+    kernel sources (KERNEL_CACHE), not once per run."""
     from kernels import native
 
-    native.module()
+    lock = native.build_dir().parent / ".test-build.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as f:  # concurrent runs sharing the cache build once, not each
+        fcntl.flock(f, fcntl.LOCK_EX)
+        native.module()
 
 
 @pytest.fixture(scope="module")

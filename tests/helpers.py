@@ -1,7 +1,10 @@
 """Shared test helpers: questions for scripted chats, the fresh-prefill reference, the
-server tests' client."""
+server tests' client, mlx-lm references loaded once per run."""
 
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -35,3 +38,37 @@ def openai_client(srv, key: str = "unused"):
     import openai
 
     return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+@functools.cache
+def mlx_lm_model(path: str | Path):
+    """mlx-lm's own model for a checkpoint folder, once per folder per run. Without the
+    tokenizer: building that is nearly all of `mlx_lm.load`'s time (seconds, 20+ s loaded)."""
+    from bench.common import mlx_lm_model as load_model
+
+    return load_model(path)
+
+
+@functools.cache
+def mlx_lm_load(path: str | Path):
+    """`mlx_lm.load(path)` (model, tokenizer), once per folder per run (the model is only
+    called, never changed)."""
+    from mlx_lm import load
+
+    return load(str(path))
+
+
+@functools.cache
+def mlx_lm_quantized(source: str | Path, bits: int) -> Path:
+    """`source` quantized by mlx-lm's converter (group size 64), once per run."""
+    import tempfile
+
+    from mlx_lm import convert
+
+    from engine.paths import chatml_home
+
+    home = chatml_home() / "test-mlx-lm-quantized"
+    home.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(dir=home)) / f"{Path(source).name}-{bits}bit"
+    convert(str(source), mlx_path=str(out), quantize=True, q_bits=bits, q_group_size=64)
+    return out

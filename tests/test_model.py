@@ -5,6 +5,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import mlx_lm_model
 
 PROMPT = (
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -22,9 +23,7 @@ def _logits(engine, ids, split=None):
 
 
 def test_matches_mlx_lm(tiny_sequential):
-    from mlx_lm import load
-
-    ref, _ = load(str(tiny_sequential.path))
+    ref = mlx_lm_model(tiny_sequential.path)
     ids = tiny_sequential.tokenizer.encode(PROMPT * 3)
     expected = ref(mx.array([ids]), cache=ref.make_cache())[0]
     got = _logits(tiny_sequential, ids)
@@ -95,11 +94,9 @@ def test_matches_transformers(tiny, tiny_sequential, path):
 
 
 def test_moe_matches_mlx_lm_and_transformers(tiny_moe):
-    from mlx_lm import load
-
     ids = tiny_moe.tokenizer.encode(PROMPT)
     got = _logits(tiny_moe, ids)
-    ref, _ = load(str(tiny_moe.path))
+    ref = mlx_lm_model(tiny_moe.path)
     assert mx.abs(got - ref(mx.array([ids]), cache=ref.make_cache())[0]).max().item() < 1e-4
     expected = _transformers_logits(tiny_moe, ids)
     assert np.abs(np.array(got) - expected).max() < 1e-4

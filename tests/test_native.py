@@ -14,6 +14,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import mlx_lm_model, mlx_lm_quantized
 
 import engine
 from kernels import native
@@ -142,20 +143,16 @@ def prefill_and_steps(model, ids, steps=3):
 
 
 @pytest.mark.parametrize("bits,path", [(8, "native"), (4, "native"), (4, "mlx-ops")])
-def test_quantize_at_load_matches_mlx_lm(tiny, tmp_path, monkeypatch, bits, path):
+def test_quantize_at_load_matches_mlx_lm(tiny, monkeypatch, bits, path):
     """`quantize=` on a float checkpoint = mlx_lm.convert's quantization, run by mlx-lm;
     prefill (dequantize + BLAS) and decode (the GEMV kernel, or the fallback's MLX ops)."""
-    from mlx_lm import convert, load
-
-    out = tmp_path / f"q{bits}"
-    convert(str(tiny.checkpoint.path), mlx_path=str(out), quantize=True, q_bits=bits,
-            q_group_size=64)  # fmt: skip
+    out = mlx_lm_quantized(tiny.checkpoint.path, bits)
     if path == "mlx-ops":
         monkeypatch.setenv("CHATML_NATIVE", "0")
     native.reset()
     ours = engine.load(str(tiny.checkpoint.path), quantize=bits)
     assert native.info().active == (path == "native")
-    ref, _ = load(str(out))
+    ref = mlx_lm_model(out)
     ids = tiny.tokenizer.encode("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
     got = prefill_and_steps(ours.model, ids)
     want = ref(mx.array([ids]), cache=ref.make_cache())

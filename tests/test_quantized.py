@@ -13,6 +13,7 @@ import json
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from helpers import mlx_lm_load, mlx_lm_model, mlx_lm_quantized
 
 import engine
 from engine.checkpoints.loader import inspect, load_weights, weights_nbytes
@@ -24,19 +25,11 @@ PROMPT = "<|im_start|>user\nHello, 你好! How are you?<|im_end|>\n<|im_start|>a
 TOL = 1e-4  # float32 activations on both sides; the quantized weights are the same numbers
 
 
-def convert(source, out, bits):
-    from mlx_lm import convert
-
-    convert(str(source), mlx_path=str(out), quantize=True, q_bits=bits, q_group_size=64)
-    return out
-
-
 @pytest.fixture(scope="module", params=["dense-4bit", "dense-8bit", "moe-4bit"])
-def quantized(request, tiny, tiny_moe, tmp_path_factory):
+def quantized(request, tiny, tiny_moe):
     kind, bits = request.param.split("-")
     source = tiny if kind == "dense" else tiny_moe
-    out = tmp_path_factory.mktemp("q") / request.param
-    return source, convert(source.path, out, int(bits[0]))
+    return source, mlx_lm_quantized(source.path, int(bits[0]))
 
 
 def nbytes(model) -> int:
@@ -48,9 +41,7 @@ def leaves(model):
 
 
 def mlx_lm_logits(path, ids):
-    from mlx_lm import load
-
-    ref, _ = load(str(path))
+    ref = mlx_lm_model(path)
     return ref(mx.array([ids]), cache=ref.make_cache())
 
 
@@ -62,7 +53,7 @@ def prefill_and_steps(model, ids, steps=3):
 
 
 def test_on_the_cpu_and_matches_mlx_lm(quantized):
-    from mlx_lm import load, stream_generate
+    from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     source, path = quantized
@@ -87,7 +78,7 @@ def test_on_the_cpu_and_matches_mlx_lm(quantized):
     full = source.model(mx.array([ids]), source.model.make_caches())
     assert mx.abs(got - full).max().item() > 1e-3
 
-    ref, tok = load(str(path))
+    ref, tok = mlx_lm_load(path)
     turn = ours.session(None).send("Hello, 你好! How are you?", max_tokens=6)
     mlx_tokens = [r.token for r in stream_generate(ref, tok, prompt=turn.prompt_ids, max_tokens=6,
                                                    sampler=make_sampler(temp=0.0))

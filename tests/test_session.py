@@ -12,7 +12,7 @@ import random
 
 import mlx.core as mx
 import pytest
-from helpers import QUESTIONS, fresh_greedy
+from helpers import QUESTIONS, fresh_greedy, mlx_lm_load
 
 import engine
 import engine.runtime.sequence as sequence_module
@@ -23,9 +23,7 @@ MAX_TOKENS = 5
 
 @pytest.fixture(scope="module")
 def mlx_lm_model(tiny):
-    from mlx_lm import load
-
-    return load(str(tiny.path))
+    return mlx_lm_load(tiny.path)
 
 
 def mlx_lm_greedy(model_and_tok, ids, max_tokens=MAX_TOKENS):
