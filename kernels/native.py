@@ -71,6 +71,18 @@ def _mode() -> str:
     return "cached" if value == "cached" else "build"
 
 
+def _cpu() -> str:
+    """The CPU's feature flags, digested: the build uses -march=native, so a module in a
+    CHATML_HOME shared between machines (a network home, a copied cache) is only for a CPU
+    with the same flags (another one would die of an illegal instruction, not fall back)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = next(line for line in text.splitlines() if line.startswith(("flags", "Features")))
+    except (OSError, StopIteration):  # macOS: the chip's name stands in for its flags
+        flags = platform.processor() + platform.platform()
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+
+
 def _versions() -> dict[str, str]:
     def version(dist: str) -> str:
         try:
@@ -83,11 +95,12 @@ def _versions() -> dict[str, str]:
         "nanobind": version("nanobind"),
         "python": sysconfig.get_config_var("SOABI") or sys.version.split()[0],
         "machine": platform.machine(),
+        "cpu": _cpu(),
     }
 
 
 def _key() -> str:
-    """Cache key: tool versions, interpreter ABI, machine and the sources' bytes."""
+    """Cache key: tool versions, interpreter ABI, machine, CPU flags and the sources' bytes."""
     digest = hashlib.sha256(repr(sorted(_versions().items())).encode())
     for f in sorted(SOURCE_DIR.iterdir()):
         if f.suffix in (".cpp", ".h", ".txt"):

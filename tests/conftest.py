@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
-import platform
 import tempfile
 from pathlib import Path
 
@@ -13,28 +11,18 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
-# Native kernel builds kept across test runs (one per CPU; `native` keys each build by its
-# sources, MLX, nanobind and Python). CHATML_TEST_KERNELS= (empty) builds afresh every run.
+# Native kernel builds kept across test runs (`native` keys each build by its sources, MLX,
+# nanobind, Python and the CPU's flags). CHATML_TEST_KERNELS= (empty) builds afresh every run.
 KERNEL_CACHE = os.environ.get(
     "CHATML_TEST_KERNELS", str(Path.home() / ".cache" / "chatml-engine-tests" / "kernels")
 )
-
-
-def _cpu_key() -> str:
-    """The build uses -march=native: a cached module is only for a CPU with the same flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        flags = next(line for line in text.splitlines() if line.startswith(("flags", "Features")))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return f"{platform.machine()}-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
 
 
 def _throwaway_home() -> str:
     """This run's CHATML_HOME; its kernels/ is the cross-run cache (a ~30 s build saved)."""
     home = Path(tempfile.mkdtemp(prefix="chatml-test-home-"))
     if KERNEL_CACHE:
-        cache = Path(KERNEL_CACHE) / _cpu_key()
+        cache = Path(KERNEL_CACHE)  # builds are keyed by CPU flags too (native._key)
         cache.mkdir(parents=True, exist_ok=True)
         (home / "kernels").symlink_to(cache, target_is_directory=True)
     return str(home)
