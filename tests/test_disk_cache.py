@@ -82,18 +82,70 @@ def test_restored_prefix_equals_a_fresh_prefill(tiny, eng, disk):
             assert out == ref_tokens
 
 
-def test_chat_evicted_to_disk_and_back_gives_the_same_answer(tiny, eng, disk):
+@pytest.fixture
+def held_writer(monkeypatch):
+    """The disk tier's writer, stopped inside its first write until `release` is set: what
+    it was given stays queued (`writing` is set once it holds the first entry)."""
+    import engine.storage.disk_cache as disk_cache
+
+    writing, release = threading.Event(), threading.Event()
+
+    def write(path, data):
+        writing.set()
+        assert release.wait(120), "the held write was never released"
+        atomic_write(path, data)
+
+    monkeypatch.setattr(disk_cache, "atomic_write", write)
+    yield writing, release
+    release.set()  # a failed test does not leave the writer (and the fixture's close) waiting
+
+
+def test_an_entry_queued_for_writing_is_restored_from_ram(tiny, eng, disk, held_writer):
+    """While the writer holds it, the entry is found and restored from its numpy copy (no
+    file yet), equal to a fresh prefill; once written, the same entry is read from its file."""
+    writing, release = held_writer
+    ids = prompt_of(eng, conversation(2)).ids
+    n = len(ids) - 6
+    ref_tokens, ref_logits = fresh_greedy(tiny, ids)
+    with eng.lock:
+        seq = prefix_seq(eng, ids[:n])
+        assert disk.store(seq, n) and writing.wait(60)
+        seq.extend(ids[n:], stops=())  # the live caches move on: the queued copy must not
+        entry = disk.lookup(ids)
+        assert entry is not None and entry.tokens == n and not entry.path.exists()
+        for source in ("ram", "file"):
+            tokens, caches = disk.restore(entry)
+            assert tokens == ids[:n]
+            assert (disk.memory_reads, disk.reads) == ((1, 0) if source == "ram" else (1, 1))
+            logits, _ = prefill(eng.model, caches, ids, n)
+            assert mx.abs(logits - ref_logits).max().item() < 1e-4
+            release.set()
+            disk.flush()
+            assert entry.path.exists() and entry.captured is None and disk.lookup(ids) is entry
+
+
+@pytest.mark.parametrize("writes", ["written", "queued"])
+def test_chat_evicted_to_disk_and_back_gives_the_same_answer(tiny, eng, disk, writes, request):
+    """The next turn after its state left RAM: from the written file, or (the writer held)
+    from the entry still queued for writing."""
+    if writes == "queued":
+        writing, _ = request.getfixturevalue("held_writer")
+    restores = eng.stateless.pool.restores
     eng.budget.max_bytes = 1  # everything leaves RAM after each answer
     try:
         messages = conversation(1)
         first = eng.chat(messages, max_tokens=4, warm=False)
         assert not any(s.cache_bytes for s in eng.stateless.pool.sequences)
-        disk.flush()
+        if writes == "written":
+            disk.flush()
+        else:
+            assert writing.wait(60) and disk.writes == 0
         messages += [first.message(), {"role": "user", "content": QUESTIONS[2]}]
         second = eng.chat(messages, max_tokens=4, warm=False)
     finally:
         eng.budget.max_bytes = 1 << 40
-    assert eng.stateless.pool.restores == 1
+    assert eng.stateless.pool.restores == restores + 1
+    assert (disk.reads, disk.memory_reads) == ((1, 0) if writes == "written" else (0, 1))
     assert second.stats.reused_tokens >= len(first.prompt_ids) - 1 - 8  # up to its answer
     assert second.token_ids == fresh_greedy(tiny, second.prompt_ids, 4)[0]
 
