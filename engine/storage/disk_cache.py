@@ -70,6 +70,37 @@ class DiskCacheBusy(RuntimeError):
     """Another process holds the cache folder."""
 
 
+class FolderLock:
+    """The exclusive lock on a cache folder (`DIR/lock`), held until `release`.
+
+    Taken on its own before a model loads (`engine.load(cache_dir=)`, `chatml serve`), so a
+    second process on the folder is refused at once, not after a long load; the DiskCache
+    made later takes it over."""
+
+    def __init__(self, directory: str | os.PathLike | None = None):
+        self.dir = Path(directory) if directory is not None else default_dir()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        f = open(self.dir / "lock", "a+b")  # noqa: SIM115  (held until release)
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise DiskCacheBusy(
+                f"the disk cache {self.dir} is in use by another process; give this one another "
+                "--cache-dir or --no-disk-cache"
+            ) from None
+        self._file = f
+
+    @property
+    def held(self) -> bool:
+        return self._file is not None
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
 def default_dir() -> Path:
     return chatml_home() / "prefix-cache"
 
@@ -115,42 +146,36 @@ class DiskCache:
 
     def __init__(self, engine, directory: str | os.PathLike | None = None,
                  max_bytes: int | None = None, *, min_tokens: int = MIN_TOKENS,
-                 write_factor: int = WRITE_FACTOR):  # fmt: skip
+                 write_factor: int = WRITE_FACTOR, lock: FolderLock | None = None):  # fmt: skip
+        """`lock`: the folder's lock if the caller took it already (released by `close`)."""
         if write_factor < 1:
             raise ValueError(f"write_factor must be >= 1, got {write_factor!r}")
         self.engine = engine
         self.dir = Path(directory) if directory is not None else default_dir()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.max_bytes = default_bytes(self.dir) if max_bytes is None else max_bytes
+        if lock is not None and (not lock.held or lock.dir.resolve() != self.dir.resolve()):
+            raise ValueError(f"the lock given is not held on {self.dir}")
         self.min_tokens = min_tokens
         self.write_factor = write_factor
         self.read_bps = INITIAL_READ_BPS
         self.prefill_tps: float | None = None  # measured by the caller (observe_prefill)
         self.writes = self.reads = self.memory_reads = self.rejected = 0
-        self._lock_file = self._acquire_lock()
-        self.ns = self.dir / namespace(engine)
-        self.ns.mkdir(exist_ok=True)
         self._index: dict[Path, Entry] = {}
         self._guard = threading.Lock()  # the index: the writer thread adds, the model thread reads
         self._pending: dict[str, Entry] = {}  # queued for writing (their `captured` set)
         self._queue: queue.Queue = queue.Queue()
-        self._scan()
+        self._lock = lock or FolderLock(self.dir)
+        try:
+            self.max_bytes = default_bytes(self.dir) if max_bytes is None else max_bytes
+            self.ns = self.dir / namespace(engine)
+            self.ns.mkdir(exist_ok=True)
+            self._scan()
+        except BaseException:
+            self._lock.release()  # a folder this process cannot use is not kept from others
+            raise
         self._writer = threading.Thread(target=self._write_loop, name="chatml-disk", daemon=True)
         self._writer.start()
 
     # ----- opening ----------------------------------------------------------------------
-
-    def _acquire_lock(self):
-        f = open(self.dir / "lock", "a+b")  # noqa: SIM115  (held until close)
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.close()
-            raise DiskCacheBusy(
-                f"the disk cache {self.dir} is in use by another process; give this one another "
-                "--cache-dir or --no-disk-cache"
-            ) from None
-        return f
 
     def _scan(self) -> None:
         """Index every entry under DIR; delete temporary files a crash left (we hold the lock)."""
@@ -377,9 +402,8 @@ class DiskCache:
 
     def close(self) -> None:
         """Finish the queued writes, stop the writer, release the folder."""
-        if self._lock_file is None:
+        if not self._lock.held:
             return
         self._queue.put(None)
         self._writer.join()
-        self._lock_file.close()
-        self._lock_file = None
+        self._lock.release()
