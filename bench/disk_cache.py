@@ -17,6 +17,11 @@ Two parts, on one engine (float32 on a CPU), through ``Engine.chat`` (the server
 - evictions: the 20-turn scripted conversation (bench/conversation.py), all messages kept,
   with a RAM budget (``--budget-mib``) smaller than its cache, so its state leaves RAM; once
   without a disk tier and once with one. The share of the summed TTFT the disk tier saves.
+  A turn resumes from a file (``reads``) or, if the writer has not written that entry yet,
+  from its copy in RAM (``memory_reads``).
+
+Every row records the load average at its end (``load_average``): figures taken at different
+loads do not compare; the ratios within a row do.
 
 The answers of random weights are noise; both runs of a part see the same prompts (exact
 restores give the same answers), so their TTFTs compare like for like.
@@ -119,6 +124,7 @@ def restart_row(eng, n: int, folder: Path) -> dict:
         "write_s_per_mib": round(write_s / mib, 5),
         "prefill_s_per_mib": round(cold.stats.ttft_s / mib, 5),
         "same_answer": True,
+        "load_average": [round(x, 2) for x in os.getloadavg()],  # at the row's end
     }
     eng.detach_disk()
     return row
@@ -144,13 +150,15 @@ def replay(eng, turns: int, budget: int, folder: Path | None, max_tokens: int) -
                     "reused_tokens": t.stats.reused_tokens,
                     "ttft_s": round(t.stats.ttft_s, 3),
                     "tokens": t.token_ids,
+                    "load_average": [round(x, 2) for x in os.getloadavg()],
                 }  # fmt: skip
             )
             print(f"  turn {i + 1}: {t.stats.prompt_tokens} tokens, reused "
                   f"{t.stats.reused_tokens}, TTFT {t.stats.ttft_s:.2f} s", file=sys.stderr)  # fmt: skip
         if eng.disk is not None:
             d = eng.disk
-            rows.append({"disk": {"writes": d.writes, "reads": d.reads, "mib": d.nbytes / MiB,
+            rows.append({"disk": {"writes": d.writes, "reads": d.reads,
+                                  "memory_reads": d.memory_reads, "mib": d.nbytes / MiB,
                                   "evictions": eng.budget.evictions}})  # fmt: skip
     finally:
         eng.budget.max_bytes = saved
@@ -159,12 +167,14 @@ def replay(eng, turns: int, budget: int, folder: Path | None, max_tokens: int) -
 
 
 def run(model: str, lengths: list[int], turns: int, budget_mib: int, max_tokens: int,
-        models_dir: str | None = None, save=None) -> dict:  # fmt: skip
-    """Both parts; `save(result)` after each step (a slow run keeps what it measured)."""
+        models_dir: str | None = None, save=None, eng=None) -> dict:  # fmt: skip
+    """Both parts; `save(result)` after each step (a slow run keeps what it measured).
+    `eng`: that model already loaded (a test's), used and left open; else loaded and closed."""
     import engine as chatml
 
-    path = model_path(model, models_dir)
-    eng = chatml.load(path)
+    owned = eng is None
+    if owned:
+        eng = chatml.load(model_path(model, models_dir))
     eng.chat([{"role": "user", "content": "warm-up"}], max_tokens=2, warm=False)
     result = {"conditions": conditions(model=model, dtype=str(eng.dtype)), "restart": [],
               "evictions": {}}  # fmt: skip
@@ -191,7 +201,8 @@ def run(model: str, lengths: list[int], turns: int, budget_mib: int, max_tokens:
         result["summary"] = {"budget_mib": budget_mib, "turns": len(ram),
                              "ttft_sum_ram_only_s": round(a, 2), "ttft_sum_disk_s": round(b, 2),
                              "saved_share": round(1 - b / a, 3)}  # fmt: skip
-    eng.close()
+    if owned:
+        eng.close()
     return result
 
 
@@ -211,7 +222,8 @@ def print_table(result: dict) -> None:
         print(json.dumps(result["summary"]))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, eng=None) -> None:
+    """The command line (`argv`: sys.argv[1:] by default; `eng`: see `run`)."""
     ap = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny", help="registry name or checkpoint folder")
     ap.add_argument("--lengths", default="1024,4096,16384", help="prompt lengths (tokens)")
@@ -220,10 +232,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16, help="answer tokens per turn (at most)")
     ap.add_argument("--models-dir", help="where big checkpoints are built and cached")
     ap.add_argument("--json", help="write the results here")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     lengths = [int(x) for x in a.lengths.split(",") if x]
     result = run(a.model, lengths, a.turns, a.budget_mib, a.max_tokens, a.models_dir,
-                 save=lambda r: write_json(a.json, r))  # fmt: skip
+                 save=lambda r: write_json(a.json, r), eng=eng)  # fmt: skip
     print_table(result)
     write_json(a.json, result)
 

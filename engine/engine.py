@@ -151,7 +151,8 @@ class Engine:
         """Give the prefix cache a disk tier in `directory` (engine/storage/disk_cache.py):
         what the budget evicts from pool and session sequences, and each turn's resume point,
         are kept there and read back when a prompt's longest reusable prefix is there.
-        Raises DiskCacheBusy if another process has it."""
+        Raises DiskCacheBusy if another process has it (`lock=`: a `FolderLock` the caller
+        took on it already, before loading the model, so that a busy folder fails first)."""
         from .storage.disk_cache import DiskCache
 
         if self.sharded:
@@ -286,6 +287,7 @@ def load(
     `disk_cache_bytes` (default: 8 GiB or a tenth of the free space, the lesser), used by
     `Engine.chat` and by sessions: each turn writes where its conversation resumes, so another
     process on the same folder later reuses it instead of prefilling; see `Engine.attach_disk`.
+    A folder another process holds raises `DiskCacheBusy` at once, before the model loads.
     `speculative="lookup"` drafts up to `num_draft` tokens by prompt lookup and verifies them
     in one step; `"mtp"` drafts them with the checkpoint's MTP head (its `mtp.*` weights,
     which quantized mlx-community conversions drop: `CheckpointError` then). Greedy output is
@@ -304,6 +306,28 @@ def load(
         raise ValueError(f"shard must be 'pipeline' or None, got {shard!r}")
     if shard and cache_dir is not None:
         raise ValueError("cache_dir (the disk tier) is not available with shard='pipeline' yet")
+    folder = None
+    if cache_dir is not None:  # a folder another process holds fails now, not after the load
+        from .storage.disk_cache import FolderLock
+
+        folder = FolderLock(cache_dir)
+    try:
+        eng = _load(model, dtype=dtype, chunked_delta=chunked_delta, cache_bytes=cache_bytes,
+                    quantize=quantize, speculative=speculative, spec=spec, max_batch=max_batch,
+                    shard=shard)  # fmt: skip
+    except BaseException:
+        if folder is not None:
+            folder.release()
+        raise
+    if folder is not None:
+        eng.attach_disk(cache_dir, disk_cache_bytes, lock=folder)
+        weakref.finalize(eng, eng.disk.close)  # its writes finish even if close() is not called
+    return eng
+
+
+def _load(model, *, dtype, chunked_delta, cache_bytes, quantize, speculative, spec, max_batch,
+          shard) -> Engine:  # fmt: skip
+    """`load` less the disk tier (its arguments checked, `spec` made from `speculative`)."""
     path, entry = resolve(model)
     ckpt = inspect(path, entry)
     mtp = speculative == "mtp"
@@ -390,9 +414,6 @@ def load(
         spec.drafter.load(eng)
     if link is not None:
         sharding.attach(eng)
-    if cache_dir is not None:
-        eng.attach_disk(cache_dir, disk_cache_bytes)
-        weakref.finalize(eng, eng.disk.close)  # its writes finish even if close() is not called
     return eng
 
 

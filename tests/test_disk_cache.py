@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,11 +22,12 @@ from helpers import QUESTIONS, fresh_greedy
 from test_server import fresh_answer, prompt_of
 
 import engine
+from engine.checkpoints.loader import CheckpointError
 from engine.paths import atomic_write
 from engine.runtime.generate import prefill
 from engine.runtime.pool import PooledSequence
 from engine.serving.server import BackgroundServer, ServerConfig
-from engine.storage.disk_cache import DiskCache, DiskCacheBusy, worth_reading
+from engine.storage.disk_cache import DiskCache, DiskCacheBusy, FolderLock, worth_reading
 from engine.storage.state_file import capture_state, state_key
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 6}
@@ -82,18 +84,70 @@ def test_restored_prefix_equals_a_fresh_prefill(tiny, eng, disk):
             assert out == ref_tokens
 
 
-def test_chat_evicted_to_disk_and_back_gives_the_same_answer(tiny, eng, disk):
+@pytest.fixture
+def held_writer(monkeypatch):
+    """The disk tier's writer, stopped inside its first write until `release` is set: what
+    it was given stays queued (`writing` is set once it holds the first entry)."""
+    import engine.storage.disk_cache as disk_cache
+
+    writing, release = threading.Event(), threading.Event()
+
+    def write(path, data):
+        writing.set()
+        assert release.wait(120), "the held write was never released"
+        atomic_write(path, data)
+
+    monkeypatch.setattr(disk_cache, "atomic_write", write)
+    yield writing, release
+    release.set()  # a failed test does not leave the writer (and the fixture's close) waiting
+
+
+def test_an_entry_queued_for_writing_is_restored_from_ram(tiny, eng, disk, held_writer):
+    """While the writer holds it, the entry is found and restored from its numpy copy (no
+    file yet), equal to a fresh prefill; once written, the same entry is read from its file."""
+    writing, release = held_writer
+    ids = prompt_of(eng, conversation(2)).ids
+    n = len(ids) - 6
+    ref_tokens, ref_logits = fresh_greedy(tiny, ids)
+    with eng.lock:
+        seq = prefix_seq(eng, ids[:n])
+        assert disk.store(seq, n) and writing.wait(60)
+        seq.extend(ids[n:], stops=())  # the live caches move on: the queued copy must not
+        entry = disk.lookup(ids)
+        assert entry is not None and entry.tokens == n and not entry.path.exists()
+        for source in ("ram", "file"):
+            tokens, caches = disk.restore(entry)
+            assert tokens == ids[:n]
+            assert (disk.memory_reads, disk.reads) == ((1, 0) if source == "ram" else (1, 1))
+            logits, _ = prefill(eng.model, caches, ids, n)
+            assert mx.abs(logits - ref_logits).max().item() < 1e-4
+            release.set()
+            disk.flush()
+            assert entry.path.exists() and entry.captured is None and disk.lookup(ids) is entry
+
+
+@pytest.mark.parametrize("writes", ["written", "queued"])
+def test_chat_evicted_to_disk_and_back_gives_the_same_answer(tiny, eng, disk, writes, request):
+    """The next turn after its state left RAM: from the written file, or (the writer held)
+    from the entry still queued for writing."""
+    if writes == "queued":
+        writing, _ = request.getfixturevalue("held_writer")
+    restores = eng.stateless.pool.restores
     eng.budget.max_bytes = 1  # everything leaves RAM after each answer
     try:
         messages = conversation(1)
         first = eng.chat(messages, max_tokens=4, warm=False)
         assert not any(s.cache_bytes for s in eng.stateless.pool.sequences)
-        disk.flush()
+        if writes == "written":
+            disk.flush()
+        else:
+            assert writing.wait(60) and disk.writes == 0
         messages += [first.message(), {"role": "user", "content": QUESTIONS[2]}]
         second = eng.chat(messages, max_tokens=4, warm=False)
     finally:
         eng.budget.max_bytes = 1 << 40
-    assert eng.stateless.pool.restores == 1
+    assert eng.stateless.pool.restores == restores + 1
+    assert (disk.reads, disk.memory_reads) == ((1, 0) if writes == "written" else (0, 1))
     assert second.stats.reused_tokens >= len(first.prompt_ids) - 1 - 8  # up to its answer
     assert second.token_ids == fresh_greedy(tiny, second.prompt_ids, 4)[0]
 
@@ -296,12 +350,14 @@ class Served:
             model="tiny", messages=messages, max_tokens=4, temperature=0, presence_penalty=0
         )
 
-    def stop(self, sig) -> int:
+    def stop(self, sig) -> tuple[int, str]:
+        """Send `sig`; its exit status and what it printed after the banner lines."""
         self.proc.send_signal(sig)
+        rest = self.proc.stdout.read()  # until it exits (its end of the pipe closes)
         rc = self.proc.wait(120)
         self.watchdog.cancel()
         self.proc.stdout.close()
-        return rc
+        return rc, rest
 
 
 def wait_for_entry(cache, ids, n: int, timeout: float = 120) -> None:
@@ -332,8 +388,8 @@ def test_killed_or_terminated_server_resumes_from_disk(tiny, tmp_path):
             before = start
             messages.append({"role": "assistant", "content": answer})
     finally:
-        assert srv.stop(signal.SIGKILL) == -signal.SIGKILL
-    for kill in (signal.SIGTERM, None):
+        assert srv.stop(signal.SIGKILL)[0] == -signal.SIGKILL
+    for _ in range(2):
         srv = Served(cache, log)
         try:
             assert "disk cache:" in srv.lines[1] and "(0 prefixes" not in srv.lines[1]
@@ -346,9 +402,10 @@ def test_killed_or_terminated_server_resumes_from_disk(tiny, tmp_path):
             messages.append({"role": "assistant", "content": answer})
         finally:  # SIGTERM at once: what is still queued is written before the exit
             pid = srv.proc.pid
-            # uvicorn shuts down gracefully, then exits by the signal it caught.
-            assert srv.stop(kill or signal.SIGTERM) in (0, -signal.SIGTERM)
-            assert f"Finished server process [{pid}]" in log.read_text()
+            rc, rest = srv.stop(signal.SIGTERM)
+            # A graceful shutdown (uvicorn's), then the engine closed: exit status 0.
+            assert rc == 0 and f"Finished server process [{pid}]" in log.read_text()
+            assert re.search(r"stopped by SIGTERM; disk cache closed, [1-9]\d* prefixes", rest)
     assert not list(cache.glob("*/*.tmp"))
 
 
@@ -406,12 +463,30 @@ def test_warm_prompts_come_back_from_disk_after_a_restart(tmp_path):
         assert (restores, reads) == ((0, 0) if start == 0 else (1, 1))
 
 
-def test_a_second_server_on_the_folder_is_refused(disk, capsys):
-    from engine.cli import main
-
-    assert main(["serve", "--model", "tiny", "--port", "0", "--cache-dir", str(disk.dir)]) == 1
-    err = capsys.readouterr().err
-    assert "chatml serve: error:" in err and "in use by another process" in err
+def test_a_second_server_on_the_folder_is_refused_before_loading(tmp_path):
+    """A second `chatml serve` on a held folder exits 1 naming it, before the model loads: its
+    --model is a folder that fails to load (shown), so reaching the load would say so."""
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        engine.load(not_a_model)
+    held = FolderLock(tmp_path / "cache")
+    try:
+        with pytest.raises(DiskCacheBusy, match="in use"):  # the Python API: the same order
+            engine.load(not_a_model, cache_dir=held.dir)
+        second = subprocess.run(
+            [sys.executable, "-m", "engine.cli", "serve", "--model", str(not_a_model),
+             "--port", "0", "--cache-dir", str(held.dir)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        held.release()
+    assert second.returncode == 1, second.stderr
+    assert "chatml serve: error:" in second.stderr and "in use by another process" in second.stderr
+    assert "config.json" not in second.stderr + second.stdout  # it never tried to load
+    with pytest.raises(CheckpointError):  # and the failed start left the folder free
+        engine.load(not_a_model, cache_dir=held.dir)
+    FolderLock(held.dir).release()
 
 
 def test_session_evicted_to_disk_and_back_gives_the_same_answer(tiny, eng, disk):

@@ -21,13 +21,14 @@ import hmac
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
 import anyio
@@ -630,13 +631,12 @@ def listen(host: str, port: int) -> socket.socket:
 def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
     """`chatml serve`: bind, load the model, serve until interrupted.
 
-    The port is bound first, so a taken port fails at once, naming it; the banner is printed
-    only once the socket listens and the model is loaded. `sampling` overrides the
-    checkpoint's sampling defaults (flags).
+    The port is bound and the disk cache's folder locked first, so a taken port or a folder
+    another server holds fails at once (exit 1), naming it, before the model loads; the
+    banner is printed only once the socket listens and the model is loaded. `sampling`
+    overrides the checkpoint's sampling defaults (flags).
     """
     import engine as engine_pkg
-
-    from ..checkpoints.generation import describe
 
     try:
         api_key = resolve_api_key(args.api_key, args.api_key_file)
@@ -659,26 +659,45 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
         print(f"chatml serve: cannot listen on {args.host} port {args.port}: {e.strerror or e}",
               file=sys.stderr)  # fmt: skip
         return 1
-    with sock:
-        eng = engine_pkg.load(
-            args.model, cache_bytes=args.cache_bytes, quantize=getattr(args, "quantize", None),
-            max_batch=getattr(args, "max_batch", DEFAULT_MAX_BATCH), shard=shard, **speculative,
-        )  # fmt: skip
+    folder = None
+    if shard:
+        print("chatml serve: no disk cache with --shard (not available yet)", flush=True)
+    elif not args.no_disk_cache:
+        from ..storage.disk_cache import DiskCacheBusy, FolderLock
+
+        try:
+            folder = FolderLock(args.cache_dir)
+        except DiskCacheBusy as e:
+            sock.close()
+            print(f"chatml serve: error: {e}", file=sys.stderr)
+            return 1
+    try:
+        with sock:
+            return _serve(args, sock, folder, sampling, api_key, speculative, shard)
+    finally:
+        if folder is not None:
+            folder.release()  # (the disk cache released it already, if it took it over)
+
+
+def _serve(args, sock, folder, sampling, api_key, speculative, shard) -> int:
+    """`run` once the port listens and the cache folder is locked: load, serve, close."""
+    import engine as engine_pkg
+
+    from ..checkpoints.generation import describe
+
+    eng = engine_pkg.load(
+        args.model, cache_bytes=args.cache_bytes, quantize=getattr(args, "quantize", None),
+        max_batch=getattr(args, "max_batch", DEFAULT_MAX_BATCH), shard=shard, **speculative,
+    )  # fmt: skip
+    disk, stopped_by = None, []
+    try:
         try:
             warm = load_warm_prompts(args.warm_prompts, eng) if args.warm_prompts else None
         except ValueError as e:
             print(f"chatml serve: error: {e}", file=sys.stderr)
             return 2
-        if shard:
-            print("chatml serve: no disk cache with --shard (not available yet)", flush=True)
-        elif not args.no_disk_cache:
-            from ..storage.disk_cache import DiskCacheBusy
-
-            try:
-                eng.attach_disk(args.cache_dir, args.disk_cache_bytes)
-            except DiskCacheBusy as e:
-                print(f"chatml serve: error: {e}", file=sys.stderr)
-                return 1
+        if folder is not None:
+            disk = eng.attach_disk(args.cache_dir, args.disk_cache_bytes, lock=folder)
         defaults = {**eng.sampling_defaults, **(sampling or {})}
         config = ServerConfig(
             model=args.model, host=args.host, port=args.port, api_key=api_key,
@@ -691,16 +710,43 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
         print(f"chatml serve: {args.model} on {url}", flush=True)
         shown = describe(defaults) if defaults else "OpenAI's (temperature 1, top_p 1)"
         print(f"  sampling defaults (a request's fields replace them): {shown}", flush=True)
-        if eng.disk is not None:
-            d = eng.disk
-            print(f"  disk cache: {d.dir} ({d.entries} prefixes, budget "
-                  f"{d.max_bytes / (1 << 30):.1f} GiB)", flush=True)  # fmt: skip
+        if disk is not None:
+            print(f"  disk cache: {disk.dir} ({disk.entries} prefixes, budget "
+                  f"{disk.max_bytes / (1 << 30):.1f} GiB)", flush=True)  # fmt: skip
         server = uvicorn.Server(uvicorn.Config(create_app(eng, config), log_level="info"))
-        try:
+        with _stop_signals(server, stopped_by):
             server.run(sockets=[sock])
-        finally:
-            eng.close()  # the disk cache's writes finish, its folder is released
+    finally:
+        eng.close()  # the disk cache's writes finish, its folder is released
+    if stopped_by:  # after the close: this line says everything queued is on disk
+        kept = f"; disk cache closed, {disk.writes} prefixes written" if disk else ""
+        print(f"chatml serve: stopped by {signal.Signals(stopped_by[0]).name}{kept}",
+              flush=True)  # fmt: skip
     return 0
+
+
+@contextmanager
+def _stop_signals(server: uvicorn.Server, stopped_by: list[int]):
+    """SIGTERM and SIGINT stop the server gracefully and then let `run` return (exit 0).
+
+    uvicorn catches them while it runs and, after its graceful shutdown, raises the signal
+    again under the handler it found: the default one would kill the process there, before
+    `eng.close()` (the disk writes' end). The handler found is this one: it records the
+    signal (and stops the server, for a signal before uvicorn's handlers are in place)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals reach the main thread only: nothing to catch here
+        return
+
+    def stop(sig: int, frame) -> None:
+        stopped_by.append(sig)
+        server.should_exit = True
+
+    kept = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
 
 
 def load_warm_prompts(path: str, engine) -> list:

@@ -27,6 +27,8 @@ re-prefills at most about 1/`write_factor` of itself (or `min_tokens`) beyond it
 
 Threads: `store` copies the arrays out of MLX on the model thread (numpy from then on); a
 writer thread checksums, encodes and writes; `lookup` and `restore` run on the model thread.
+An entry still queued for writing is served too: `lookup` finds it, and `restore` builds the
+caches from its numpy copy (no file read) until the writer has put its file in place.
 The LRU size budget covers every entry under DIR (all namespaces), oldest use first.
 """
 
@@ -44,7 +46,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..paths import atomic_write, chatml_home
-from .state_file import StateError, capture_state, decode_state, state_key
+from .state_file import (
+    CapturedState,
+    StateError,
+    capture_state,
+    decode_state,
+    restore_captured,
+    state_key,
+)
 
 log = logging.getLogger("chatml.disk_cache")
 
@@ -59,6 +68,37 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.ji
 
 class DiskCacheBusy(RuntimeError):
     """Another process holds the cache folder."""
+
+
+class FolderLock:
+    """The exclusive lock on a cache folder (`DIR/lock`), held until `release`.
+
+    Taken on its own before a model loads (`engine.load(cache_dir=)`, `chatml serve`), so a
+    second process on the folder is refused at once, not after a long load; the DiskCache
+    made later takes it over."""
+
+    def __init__(self, directory: str | os.PathLike | None = None):
+        self.dir = Path(directory) if directory is not None else default_dir()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        f = open(self.dir / "lock", "a+b")  # noqa: SIM115  (held until release)
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise DiskCacheBusy(
+                f"the disk cache {self.dir} is in use by another process; give this one another "
+                "--cache-dir or --no-disk-cache"
+            ) from None
+        self._file = f
+
+    @property
+    def held(self) -> bool:
+        return self._file is not None
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def default_dir() -> Path:
@@ -97,6 +137,8 @@ class Entry:
     key: str
     nbytes: int
     used: float  # last use (file mtime): the LRU order
+    # Queued for writing and not written yet: its arrays, restored from RAM meanwhile.
+    captured: CapturedState | None = None
 
 
 class DiskCache:
@@ -104,42 +146,36 @@ class DiskCache:
 
     def __init__(self, engine, directory: str | os.PathLike | None = None,
                  max_bytes: int | None = None, *, min_tokens: int = MIN_TOKENS,
-                 write_factor: int = WRITE_FACTOR):  # fmt: skip
+                 write_factor: int = WRITE_FACTOR, lock: FolderLock | None = None):  # fmt: skip
+        """`lock`: the folder's lock if the caller took it already (released by `close`)."""
         if write_factor < 1:
             raise ValueError(f"write_factor must be >= 1, got {write_factor!r}")
         self.engine = engine
         self.dir = Path(directory) if directory is not None else default_dir()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.max_bytes = default_bytes(self.dir) if max_bytes is None else max_bytes
+        if lock is not None and (not lock.held or lock.dir.resolve() != self.dir.resolve()):
+            raise ValueError(f"the lock given is not held on {self.dir}")
         self.min_tokens = min_tokens
         self.write_factor = write_factor
         self.read_bps = INITIAL_READ_BPS
         self.prefill_tps: float | None = None  # measured by the caller (observe_prefill)
-        self.writes = self.reads = self.rejected = 0
-        self._lock_file = self._acquire_lock()
-        self.ns = self.dir / namespace(engine)
-        self.ns.mkdir(exist_ok=True)
+        self.writes = self.reads = self.memory_reads = self.rejected = 0
         self._index: dict[Path, Entry] = {}
         self._guard = threading.Lock()  # the index: the writer thread adds, the model thread reads
-        self._pending: dict[str, int] = {}  # keys queued for writing -> their token counts
+        self._pending: dict[str, Entry] = {}  # queued for writing (their `captured` set)
         self._queue: queue.Queue = queue.Queue()
-        self._scan()
+        self._lock = lock or FolderLock(self.dir)
+        try:
+            self.max_bytes = default_bytes(self.dir) if max_bytes is None else max_bytes
+            self.ns = self.dir / namespace(engine)
+            self.ns.mkdir(exist_ok=True)
+            self._scan()
+        except BaseException:
+            self._lock.release()  # a folder this process cannot use is not kept from others
+            raise
         self._writer = threading.Thread(target=self._write_loop, name="chatml-disk", daemon=True)
         self._writer.start()
 
     # ----- opening ----------------------------------------------------------------------
-
-    def _acquire_lock(self):
-        f = open(self.dir / "lock", "a+b")  # noqa: SIM115  (held until close)
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.close()
-            raise DiskCacheBusy(
-                f"the disk cache {self.dir} is in use by another process; give this one another "
-                "--cache-dir or --no-disk-cache"
-            ) from None
-        return f
 
     def _scan(self) -> None:
         """Index every entry under DIR; delete temporary files a crash left (we hold the lock)."""
@@ -184,8 +220,11 @@ class DiskCache:
                 return False
             if key in self._pending:
                 return False
-            self._pending[key] = pos
-        self._queue.put((path, key, pos, capture_state(seq, self.engine, pos)))
+        captured = capture_state(seq, self.engine, pos)
+        entry = Entry(path, pos, key, captured.nbytes, time.time(), captured)
+        with self._guard:
+            self._pending[key] = entry
+        self._queue.put(entry)
         return True
 
     def store_sequence(self, seq, snapshots: int = 2) -> None:
@@ -225,7 +264,7 @@ class DiskCache:
         with self._guard:
             lengths = {e.tokens for e in self._index.values() if above < e.tokens <= len(ids)}
             keys = {e.key for e in self._index.values() if e.tokens in lengths}
-            lengths |= {n for n in self._pending.values() if above < n <= len(ids)}
+            lengths |= {e.tokens for e in self._pending.values() if above < e.tokens <= len(ids)}
             keys |= set(self._pending)
         return any(state_key(ids[:n]) in keys for n in lengths)
 
@@ -252,21 +291,27 @@ class DiskCache:
             try:
                 if item is None:
                     return
-                path, key, n, captured = item
-                try:
-                    atomic_write(path, captured.encode())
-                except OSError as e:
-                    log.warning("%s: not written (%s); that prefix will be prefilled", path, e)
-                    continue
-                finally:
-                    with self._guard:
-                        self._pending.pop(key, None)
-                with self._guard:
-                    self._index[path] = Entry(path, n, key, path.stat().st_size, time.time())
-                    self.writes += 1
-                    self._evict()
+                self._write(item)
             finally:
                 self._queue.task_done()
+
+    def _write(self, entry: Entry) -> None:
+        """Write a queued entry, then index it; until then `lookup` finds it in `_pending`
+        and `restore` takes its arrays from RAM (they are dropped once the file is in place)."""
+        try:
+            atomic_write(entry.path, entry.captured.encode())
+        except OSError as e:
+            log.warning("%s: not written (%s); that prefix will be prefilled", entry.path, e)
+            with self._guard:
+                self._pending.pop(entry.key, None)
+            return
+        with self._guard:
+            del self._pending[entry.key]
+            entry.nbytes, entry.used = entry.path.stat().st_size, time.time()
+            self._index[entry.path] = entry
+            self.writes += 1
+            self._evict()
+        entry.captured = None  # a `restore` that took it as pending reads the file instead
 
     def _evict(self) -> None:
         """Delete least recently used entries until the folder fits the budget (guard held)."""
@@ -292,7 +337,8 @@ class DiskCache:
         is worth reading instead of prefilling the difference; None if there is none."""
         limit = len(ids) - 1 if need_logits else len(ids)  # the last token's logits are needed
         with self._guard:
-            ours = [e for e in self._index.values() if above < e.tokens <= limit]
+            held = [*self._index.values(), *self._pending.values()]
+        ours = [e for e in held if above < e.tokens <= limit]
         by_length: dict[int, list[Entry]] = {}
         for e in ours:
             by_length.setdefault(e.tokens, []).append(e)
@@ -300,14 +346,25 @@ class DiskCache:
             key = state_key(ids[:n])
             for e in by_length[n]:
                 if e.key == key:
-                    gain = n - above
-                    ok = worth_reading(e.nbytes, gain, self.read_bps, self.prefill_tps,
+                    # A queued entry is a copy in RAM: no read to weigh against the prefill.
+                    nbytes = 0 if e.captured is not None else e.nbytes
+                    ok = worth_reading(nbytes, n - above, self.read_bps, self.prefill_tps,
                                        self.min_tokens)  # fmt: skip
                     return e if ok else None
         return None
 
     def restore(self, entry: Entry):
-        """(tokens, caches) of an entry, checked in full; None (entry deleted) if unusable."""
+        """(tokens, caches) of an entry, checked in full; None (entry deleted) if unusable.
+        An entry still queued for writing comes from its arrays in RAM (`memory_reads`)."""
+        captured = entry.captured  # once: the writer drops it when the file is in place
+        if captured is not None:
+            try:
+                tokens, caches, _ = restore_captured(captured, self.engine, entry.key)
+            except StateError as e:  # not expected (this process made it): prefill instead
+                log.warning("%s: queued entry not restored (%s)", entry.path, e)
+                return None
+            self.memory_reads += 1
+            return tokens, caches
         t = time.perf_counter()
         try:
             data = entry.path.read_bytes()
@@ -345,9 +402,8 @@ class DiskCache:
 
     def close(self) -> None:
         """Finish the queued writes, stop the writer, release the folder."""
-        if self._lock_file is None:
+        if not self._lock.held:
             return
         self._queue.put(None)
         self._writer.join()
-        self._lock_file.close()
-        self._lock_file = None
+        self._lock.release()

@@ -170,20 +170,40 @@ def decode_state(data: bytes, engine, expected_key: str | None):
     from safetensors.numpy import load
 
     meta = read_header(data)
+    _check_meta(meta, engine, expected_key)
+    try:
+        tensors = load(data)
+    except SafetensorError as e:
+        raise StateError(f"unreadable ({e})") from e
+    if _digest(tensors) != meta.get("sha256"):
+        raise StateError("checksum mismatch")
+    return _rebuild(tensors, meta, engine, expected_key)
+
+
+def restore_captured(captured: CapturedState, engine, expected_key: str):
+    """(tokens, caches, snapshots) of a capture not yet written (the disk cache's queue),
+    with the checks of `decode_state` but the checksum (the arrays never left this process).
+    The caches are copies: the writer may still be encoding `captured` on its thread."""
+    _check_meta(captured.meta, engine, expected_key)
+    return _rebuild(captured.tensors, captured.meta, engine, expected_key)
+
+
+def _check_meta(meta: dict, engine, expected_key: str | None) -> None:
     if meta.get("format") != FORMAT or meta.get("version") != str(VERSION):
         raise StateError("not a chatml-engine state file of this version")
     if meta.get("fingerprint") != engine.fingerprint or meta.get("dtype") != str(engine.dtype):
         raise StateError("made by other weights or another dtype")
     if expected_key is None or meta.get("key") != expected_key:
         raise StateError("stale: it does not belong to the last turn in the log")
+
+
+def _rebuild(tensors: dict[str, np.ndarray], meta: dict, engine, expected_key: str | None):
+    """Caches from checked tensors: token ids against their key, layers and shapes."""
     try:
-        tensors = load(data)
         kinds, offsets = json.loads(meta["kinds"]), json.loads(meta["offsets"])
         positions, views = json.loads(meta["snapshots"]), json.loads(meta["views"])
-    except (SafetensorError, ValueError, KeyError) as e:
+    except (ValueError, KeyError) as e:
         raise StateError(f"unreadable ({e})") from e
-    if _digest(tensors) != meta.get("sha256"):
-        raise StateError("checksum mismatch")
     tokens = [int(t) for t in tensors["tokens"]]
     n = len(tokens)
     if state_key(tokens) != expected_key:
