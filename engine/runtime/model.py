@@ -319,8 +319,9 @@ class DecoderLayer(nn.Module):
         of batch 1): the projections and the MLP run as one `[B, H]` product, which reads the
         weights once for all rows. A Gated DeltaNet layer stacks the rows' conv tails (small)
         and hands the delta rule each row's state as it is (`gated_delta_rows`: the fused CPU
-        kernel reads and writes them in place of a stack and split); an attention layer attends per row over that row's own KV cache,
-        whatever its length. The same compiled functions as `_decode`, at batch B."""
+        kernel reads and writes them where a stack and split would copy them); an attention
+        layer attends per row over that row's own KV cache, whatever its length. The same
+        compiled functions as `_decode`, at batch B."""
         steps = self._compiled()
         if self.is_linear:
             tails = mx.concatenate([c.conv for c in caches])
