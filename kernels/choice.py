@@ -10,6 +10,10 @@ The candidates:
   - "step": decode tokens and short prefill segments (T < MIN_CHUNKED_T) as a few broadcast
     ops per token (``kernels.delta_rule._step``): on the CPU and CUDA, ``mx.fast`` runs the
     same math as ~34 small graph nodes per token, this as 9.
+  - "fused": the same tokens as "step" in one native pass over each state row
+    (``kernels/native/delta.cpp``), where the native CPU module is built: "step" makes about
+    four passes over the whole state per token, each a trip to memory once a batch's states
+    outgrow the caches.
   - "mlx_lm": mlx-lm's own Metal kernel (``mlx_lm.models.gated_delta.gated_delta_kernel``),
     what mlx-lm itself runs on Metal for any Dk that is a multiple of 32.
 
@@ -32,17 +36,28 @@ MIN_CHUNKED_T_CUDA = 16
 # "step" builds 9 graph nodes per token in a Python loop: a guard against asking it for a prefill.
 MAX_STEP_T = 64
 
-METHODS = ("sequential", "chunked", "mlx_lm", "step")
+METHODS = ("sequential", "chunked", "mlx_lm", "step", "fused")
 
 
 def choose(
-    device: str, hk: int, hv: int, dk: int, dv: int, t: int, *, fast_matmul: bool = True
+    device: str,
+    hk: int,
+    hv: int,
+    dk: int,
+    dv: int,
+    t: int,
+    *,
+    fast_matmul: bool = True,
+    native: bool = False,
 ) -> str:
     """The method for `t` steps of heads (Hk, Hv, Dk, Dv) on `device` ("cpu", "metal", "cuda").
 
     `fast_matmul`: whether CPU float32 matmuls are fast (Accelerate, or a fast BLAS on Linux);
     with the reference BLAS the chunked path is ~0.8x the sequential one, not a win.
+    `native`: whether the native CPU module (kernels.native) is built, for "fused".
     """
+    if device == "cpu" and t < MIN_CHUNKED_T and native:
+        return "fused"
     if device in ("cpu", "cuda") and t < MIN_CHUNKED_T:
         return "step"
     if device == "cpu":

@@ -23,7 +23,7 @@ from kernels.triangular import unit_lower_inverse
 
 CHUNK = 64
 
-__all__ = ["CHUNK", "MIN_CHUNKED_T", "gated_delta"]
+__all__ = ["CHUNK", "MIN_CHUNKED_T", "gated_delta", "gated_delta_rows"]
 
 
 def gated_delta(
@@ -50,6 +50,8 @@ def gated_delta(
       - "sequential": ``mx.fast.gated_delta_update`` (one step at a time).
       - "step": up to ``MAX_STEP_T`` tokens one after another as a few broadcast ops each:
         decode steps and short prefill segments on the CPU and CUDA.
+      - "fused": the native CPU kernel (``kernels/native/delta.cpp``): the tokens one after
+        another in one pass over each state row; see ``gated_delta_rows``.
       - "mlx_lm": mlx-lm's Metal kernel (Metal only).
       - "auto": ``kernels.choice.choose`` for the default device, this head shape and T.
     ``inverse``: how the chunked path inverts its triangular matrices ("auto", "lapack" or
@@ -61,11 +63,10 @@ def gated_delta(
         raise ValueError(f"Hv={Hv} must be a multiple of Hk={Hk}")
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    if method == "auto":
-        device = device_kind()
-        # asked only where it matters: decode steps skip the BLAS lookup
-        fast = device != "cpu" or T < MIN_CHUNKED_T or _fast_matmul()
-        method = choose(device, Hk, Hv, Dk, Dv, T, fast_matmul=fast)
+    method = _resolve(method, q, v)
+    if method == "fused":
+        y, (state,) = _fused(q, k, v, g, beta, [state])
+        return y, state
     if method == "step":
         if T > MAX_STEP_T:
             raise ValueError(f"method 'step' takes at most {MAX_STEP_T} tokens, got T={T}")
@@ -86,6 +87,72 @@ def gated_delta(
     if method != "chunked":
         raise ValueError(f"unknown method {method!r}")
     return _chunked(q, k, v, g, beta, state, inverse)
+
+
+def gated_delta_rows(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    states: list[mx.array],
+    *,
+    method: str = "auto",
+) -> tuple[mx.array, list[mx.array]]:
+    """``gated_delta`` for B rows whose states are separate arrays, as in a batched decode
+    step where each sequence keeps its own: ``states[i]`` is ``[b_i, Hv, Dv, Dk]`` with the
+    b_i adding up to B (rows in order). Returns y and the states after, one array per input.
+
+    "fused" (``auto`` picks it for a few tokens on the CPU where the native module is built)
+    reads each state where it is and writes each row's new state as its own array: one read
+    and one write per state. Any other method stacks the states for the step (a copy) and
+    returns slices of the stacked result.
+    """
+    method = _resolve(method, q, v)
+    if method == "fused":
+        return _fused(q, k, v, g, beta, states)
+    if len(states) == 1:
+        y, state = gated_delta(q, k, v, g, beta, states[0], method=method)
+        return y, [state]
+    y, state = gated_delta(q, k, v, g, beta, mx.concatenate(states), method=method)
+    cuts, at = [], 0
+    for s in states[:-1]:
+        at += s.shape[0]
+        cuts.append(at)
+    return y, mx.split(state, cuts)
+
+
+def _resolve(method: str, q: mx.array, v: mx.array) -> str:
+    """`method`, or for "auto" what ``kernels.choice.choose`` picks here for these heads."""
+    if method != "auto":
+        return method
+    _, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    device = device_kind()
+    # each asked only where it matters: prefill skips the native lookup, decode the BLAS one
+    short = T < MIN_CHUNKED_T
+    fast = device != "cpu" or short or _fast_matmul()
+    native = device == "cpu" and short and _native() is not None
+    return choose(device, Hk, Hv, Dk, Dv, T, fast_matmul=fast, native=native)
+
+
+def _native():
+    from kernels import native
+
+    return native.module()
+
+
+def _fused(q, k, v, g, beta, states: list[mx.array]) -> tuple[mx.array, list[mx.array]]:
+    """The native kernel; float32 inside, y in q's dtype."""
+    mod = _native()
+    if mod is None:
+        from kernels import native
+
+        raise RuntimeError(f"method 'fused' needs the native CPU kernels: {native.info().reason}")
+    f32 = mx.float32
+    inputs = (x.astype(f32) for x in (q, k, v, g, beta))
+    y, *states = mod.gated_delta_rows(*inputs, [s.astype(f32) for s in states])
+    return y.astype(q.dtype), states
 
 
 def _step(q, k, v, g, beta, state) -> tuple[mx.array, mx.array]:

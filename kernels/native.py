@@ -4,7 +4,10 @@ MLX's own CPU ``quantized_matmul`` runs a decode step's 4/8-bit GEMVs at ~1 GB/s
 primitive (``kernels/native/qgemv.cpp``, an MLX ``Primitive`` with ``eval_cpu``) reads the
 compact weights at memory speed. A batched decode step's float32 products of 2-32 rows go
 through ``kernels/native/dense.cpp``: OpenBLAS's sgemm reads the weights of so few rows at a
-quarter of sgemv's speed, the native kernel reads them once for all rows. They are compiled with CMake against MLX's exported package and
+quarter of sgemv's speed, the native kernel reads them once for all rows. The Gated DeltaNet
+update of a few tokens (decode, verify, short segments) runs as ``kernels/native/delta.cpp``:
+one pass over each state row where MLX's ops make about four over the whole state (see
+``kernels.delta_rule.gated_delta_rows``). They are compiled with CMake against MLX's exported package and
 nanobind into ``CHATML_HOME/kernels/<key>/``, keyed by MLX version, nanobind version, Python,
 machine and a hash of the sources, so an MLX upgrade rebuilds instead of loading a module
 built for another ABI. ``chatml build-kernels`` builds it explicitly.
@@ -211,7 +214,7 @@ def _load() -> tuple[ModuleType | None, NativeInfo]:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         print(
             f"chatml: native CPU kernels unavailable ({reason}); quantized and batched float32 "
-            "matmuls use MLX's slower ops (`chatml doctor` explains, `chatml build-kernels` "
+            "matmuls and the Gated DeltaNet decode update use MLX's slower ops (`chatml doctor` explains, `chatml build-kernels` "
             "retries)",
             file=sys.stderr,
         )

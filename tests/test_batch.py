@@ -106,6 +106,25 @@ def test_a_batched_step_equals_each_row_alone_at_different_lengths(eng):
         alone = [(c, t) for (c, _), t in zip(alone, nxt)]
 
 
+def test_a_batched_step_hands_the_fused_kernel_each_rows_own_state(monkeypatch):
+    """On this CPU (the native module is built) every Gated DeltaNet layer of a batched step
+    runs the fused update once, over the rows' states as they are: nothing stacked."""
+    import kernels.delta_rule as dr
+
+    calls, fused = [], dr._fused
+    monkeypatch.setattr(dr, "_fused", lambda *a: calls.append(len(a[5])) or fused(*a))
+    eng = engine.load("tiny")  # its own engine: the layers' steps are traced afresh here
+    model, rows = eng.model, []
+    for n in (5, 9, 2):
+        caches = model.make_caches()
+        logits, _ = prefill(model, caches, [1000 + 3 * j + n for j in range(n)], 0)
+        rows.append((caches, mx.argmax(logits).item()))
+    calls.clear()
+    forward(model, [Row(c, [t]) for c, t in rows])
+    linear = sum(layer.is_linear for layer in model.layers)
+    assert calls == [3] * linear  # one call per layer, three states in each
+
+
 # ----- concurrent requests -----------------------------------------------------------------
 
 

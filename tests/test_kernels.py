@@ -12,7 +12,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run without an i
 
 import mlx.core as mx  # noqa: E402
 
-from kernels import gated_delta, gated_delta_reference, unit_lower_inverse  # noqa: E402
+from kernels import (  # noqa: E402
+    gated_delta,
+    gated_delta_reference,
+    gated_delta_rows,
+    native,
+    unit_lower_inverse,
+)
 
 TOL = 1e-5  # max abs error allowed, relative to the reference output's max abs value
 
@@ -146,6 +152,86 @@ def test_rejects_bad_head_ratio() -> None:
         gated_delta(q, k, v3, g3, mx.concatenate([beta, beta[:, :, :1]], axis=2))
 
 
+@pytest.fixture(scope="module")
+def built():
+    """The native module, which holds the fused kernel (CI has a compiler: it must build)."""
+    assert native.module() is not None, native.info().reason
+
+
+def split_rows(state: mx.array, groups: list[int]) -> list[mx.array]:
+    """`state [B, ...]` as separate arrays of `groups[i]` rows each (copies: own buffers)."""
+    out, at = [], 0
+    for n in groups:
+        out.append(mx.array(np.array(state[at : at + n])))
+        at += n
+    return out
+
+
+def assert_rows_close(inputs: list, groups: list[int], method: str) -> None:
+    """`gated_delta_rows` over the states split into `groups` against the float64 recurrence."""
+    *qkvgb, state = inputs
+    y_ref, s_ref = gated_delta_reference(*inputs)
+    y, states = gated_delta_rows(*qkvgb, split_rows(state, groups), method=method)
+    assert [s.shape[0] for s in states] == groups and all(s.dtype == mx.float32 for s in states)
+    s = np.concatenate([np.array(x, dtype=np.float64) for x in states])
+    assert y.shape == y_ref.shape and s.shape == s_ref.shape
+    assert np.abs(np.array(y, dtype=np.float64) - y_ref).max() <= TOL * np.abs(y_ref).max()
+    assert np.abs(s - s_ref).max() <= TOL * np.abs(s_ref).max()
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("B, groups", [(1, [1]), (3, [1, 1, 1]), (8, [2, 1, 5])])
+@pytest.mark.parametrize("Hk, Hv", [(2, 2), (2, 4), (4, 8)])
+def test_fused_rows_match_reference(built, T, B, groups, Hk, Hv) -> None:
+    """The native one-pass update (each row's state its own array, or a few rows stacked)
+    against the sequential recurrence in float64; the MLX fallback (stack, step, split) too."""
+    inputs = make_inputs(T, B=B, Hk=Hk, Hv=Hv, with_state=True, seed=B * 10 + Hv + T)
+    assert_rows_close(inputs, groups, "fused")
+    assert_rows_close(inputs, groups, "step")
+
+
+def test_fused_odd_head_sizes(built) -> None:
+    """Dk not a multiple of the vector width (a masked tail) and Dv != Dk, heads split over
+    the thread pool (a 0.8B head shape at B = 2)."""
+    rng = np.random.default_rng(7)
+    for B, T, Hk, Hv, Dk, Dv in ((2, 2, 2, 4, 40, 24), (2, 1, 16, 16, 128, 128)):
+        q, k = rng.standard_normal((2, B, T, Hk, Dk))
+        q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(Dk)
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+        v = rng.standard_normal((B, T, Hv, Dv))
+        g, beta = rng.uniform(0.9, 1.0, (B, T, Hv)), rng.uniform(0, 1, (B, T, Hv))
+        state = rng.standard_normal((B, Hv, Dv, Dk)) * 0.5
+        inputs = [mx.array(x.astype(np.float32)) for x in (q, k, v, g, beta, state)]
+        assert_rows_close(inputs, [1] * B, "fused")
+        assert_close(inputs, method="fused")
+
+
+def test_fused_leaves_held_states_alone(built) -> None:
+    """A state someone still holds (a snapshot) is never overwritten; one nobody holds may be
+    updated in place, with the same result."""
+    q, k, v, g, beta, state = make_inputs(2, B=2, Hv=4, with_state=True, seed=5)
+    held = split_rows(state, [1, 1])
+    before = [np.array(s) for s in held]
+    y, after = gated_delta_rows(q, k, v, g, beta, held, method="fused")
+    mx.eval(y, after)
+    for s, b in zip(held, before):
+        assert np.array_equal(np.array(s), b)
+    y2, again = gated_delta_rows(q, k, v, g, beta, split_rows(state, [1, 1]), method="fused")
+    assert np.array_equal(np.array(y2), np.array(y))
+    for s, t in zip(again, after):
+        assert np.array_equal(np.array(s), np.array(t))
+
+
+def test_fused_rejects_bad_input(built) -> None:
+    q, k, v, g, beta, state = make_inputs(1, B=2, with_state=True)
+    with pytest.raises(ValueError, match="hold 1 rows, q has B = 2"):
+        gated_delta_rows(q, k, v, g, beta, [state[:1]], method="fused")
+    with pytest.raises(ValueError, match=r"= \[rows, 2, 32, 32\], got \[2, 2, 32, 16\]"):
+        gated_delta_rows(q, k, v, g, beta, [state[..., :16]], method="fused")
+    with pytest.raises(ValueError, match="g and beta must be"):
+        gated_delta_rows(q, k, v, g[:, :, :1], beta, [state], method="fused")
+
+
 # Head shapes (Hk, Hv, Dk, Dv): tiny, 0.8B and 2B, 4B/9B/35B-A3B, 27B.
 HEADS = {"tiny": (4, 8, 32, 32), "0.8b": (16, 16, 128, 128), "9b": (16, 32, 128, 128),
          "27b": (16, 48, 128, 128)}  # fmt: skip
@@ -162,6 +248,9 @@ def test_kernel_choice_per_device(model: str) -> None:
         short = t < MIN_CHUNKED_T
         assert choose("cpu", *heads, t) == ("step" if short else "chunked")
         assert choose("cpu", *heads, t, fast_matmul=False) == ("step" if short else "sequential")
+        # ... and as one native pass per state row where the native module is built.
+        assert choose("cpu", *heads, t, native=True) == ("fused" if short else "chunked")
+        assert choose("cuda", *heads, t, native=True) == choose("cuda", *heads, t)
         # CUDA: mx.fast is T steps of small ops there, so prefill goes chunked.
         assert choose("cuda", *heads, t) == ("step" if t < MIN_CHUNKED_T_CUDA else "chunked")
         # Metal: mlx-lm's own kernel, as mlx-lm runs it, for every Qwen3.5 head shape.

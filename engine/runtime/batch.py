@@ -8,9 +8,10 @@ each decode one token), and each loop takes its logits and goes on. Rows join th
 their prompt is in and leave when they finish, without waiting for the others; a prompt being
 prefilled yields `WAIT` between its chunks, so rows that are decoding keep streaming.
 
-Every row keeps its own caches (a row's KV cache has its own length; the Gated DeltaNet
-states are stacked for the step and split back), so reuse, snapshots and rollback stay per
-sequence exactly as at batch 1. Sampling runs per row, with the row's own sampler.
+Every row keeps its own caches (a row's KV cache has its own length; each row's Gated
+DeltaNet state is read and written as its own array by the fused CPU kernel, stacked for the
+step and split back elsewhere), so reuse, snapshots and rollback stay per sequence exactly
+as at batch 1. Sampling runs per row, with the row's own sampler.
 """
 
 from __future__ import annotations
@@ -136,8 +137,9 @@ class Batch:
 
 
 def own_buffers(caches: list) -> None:
-    """Give each recurrent cache its own arrays: after a batched step they are slices of the
-    batch's stacked arrays, which would keep the whole batch's states alive (and uncounted)."""
+    """Give each recurrent cache its own arrays: after a batched step the conv tails (and,
+    off the fused CPU kernel, the states) are slices of the batch's stacked arrays, which
+    would keep the whole batch's alive (and uncounted). Arrays already their own stay as is."""
     for c in caches:
         # (isinstance: a pipeline's remote layers hold handles, not arrays; see shard.py)
         if isinstance(c, RecurrentCache) and isinstance(c.state, mx.array):

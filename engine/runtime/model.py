@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels import gated_delta
+from kernels import gated_delta, gated_delta_rows
 
 from ..checkpoints.registry import Architecture
 from .cache import KVCache, MTPCache, RecurrentCache
@@ -114,10 +114,11 @@ class GatedDeltaNet(nn.Module):
         y = (nn.silu(z.astype(mx.float32)) * y.astype(mx.float32)).astype(x.dtype)
         return self.out_proj(y.reshape(B, T, -1))
 
-    def decode(self, x: mx.array, tail: mx.array, state: mx.array):
-        """One token `x [B, H]` (2-D: matmuls need no reshapes) from (conv tail, state): the
-        same math as `__call__`, as a pure function for `mx.compile`; returns (output `[B, H]`,
-        new tail, new state)."""
+    def decode(self, x: mx.array, tail: mx.array, states: list[mx.array]):
+        """One token `x [B, H]` (2-D: matmuls need no reshapes) from the conv tail `[B, K-1, C]`
+        and the delta states (`states[i]` `[b_i, Hv, Dv, Dk]`, B rows in all: each row of a
+        batch keeps its own, see `gated_delta_rows`): the same math as `__call__`, as a pure
+        function for `mx.compile`; returns (output `[B, H]`, new tail, new states)."""
         B = x.shape[0]
         f32 = mx.float32
         qkv = self.in_proj_qkv(x)  # [B, C]
@@ -135,11 +136,11 @@ class GatedDeltaNet(nn.Module):
         beta = mx.sigmoid(self.in_proj_b(x))[:, None]
         g = mx.exp(-mx.exp(self.A_log.astype(f32)) * nn.softplus(a + self.dt_bias))
         method = "auto" if self.options.chunked_delta else "sequential"
-        y, state = gated_delta(q, k, v, g, beta, state, method=method)
+        y, states = gated_delta_rows(q, k, v, g, beta, states, method=method)
         z = self.in_proj_z(x).reshape(B, 1, self.hv, self.dv)
         y = _rms_norm(y, self.norm.weight, self.eps)
         y = (nn.silu(z.astype(f32)) * y.astype(f32)).astype(x.dtype)
-        return self.out_proj(y.reshape(B, -1)), mx.contiguous(window[:, 1:]), state
+        return self.out_proj(y.reshape(B, -1)), mx.contiguous(window[:, 1:]), states
 
     def _delta(self, q, k, v, g, beta, state, start: int, end: int):
         """The gated delta rule over positions [start, end) of the chunk."""
@@ -306,7 +307,7 @@ class DecoderLayer(nn.Module):
         recompilation."""
         steps = self._compiled()
         if self.is_linear:
-            h, conv, state = steps[0](x, cache.conv, cache.state)
+            h, conv, (state,) = steps[0](x, cache.conv, [cache.state])
             cache.update(conv, state, 1)
             return h
         attention_in, attention_out = steps
@@ -316,16 +317,17 @@ class DecoderLayer(nn.Module):
     def decode_rows(self, x: mx.array, caches: list) -> mx.array:
         """One token for each of B rows, `x [B, 1, H]`, each row with its own cache (`caches[i]`
         of batch 1): the projections and the MLP run as one `[B, H]` product, which reads the
-        weights once for all rows. A Gated DeltaNet layer stacks the rows' conv tails and
-        states (fixed size); an attention layer attends per row over that row's own KV cache,
-        whatever its length. The same compiled functions as `_decode`, at batch B."""
+        weights once for all rows. A Gated DeltaNet layer stacks the rows' conv tails (small)
+        and hands the delta rule each row's state as it is (`gated_delta_rows`: the fused CPU
+        kernel reads and writes them where a stack and split would copy them); an attention
+        layer attends per row over that row's own KV cache, whatever its length. The same
+        compiled functions as `_decode`, at batch B."""
         steps = self._compiled()
         if self.is_linear:
             tails = mx.concatenate([c.conv for c in caches])
-            states = mx.concatenate([c.state for c in caches])
-            h, tails, states = steps[0](x, tails, states)
-            for i, c in enumerate(caches):
-                c.update(tails[i : i + 1], states[i : i + 1], 1)
+            h, tails, states = steps[0](x, tails, [c.state for c in caches])
+            for i, (c, state) in enumerate(zip(caches, states, strict=True)):
+                c.update(tails[i : i + 1], state, 1)
             return h
         attention_in, attention_out = steps
         offsets = mx.array([c.offset for c in caches])
@@ -347,10 +349,10 @@ class DecoderLayer(nn.Module):
                 )
         return self._steps
 
-    def _linear_step(self, x: mx.array, tail: mx.array, state: mx.array):
+    def _linear_step(self, x: mx.array, tail: mx.array, states: list[mx.array]):
         x2 = x.reshape(x.shape[0], -1)  # [B, H]
-        y, tail, state = self.linear_attn.decode(self.input_layernorm(x2), tail, state)
-        return self._mlp_residual(x2 + y).reshape(x.shape), tail, state
+        y, tail, states = self.linear_attn.decode(self.input_layernorm(x2), tail, states)
+        return self._mlp_residual(x2 + y).reshape(x.shape), tail, states
 
     def _attention_in(self, x: mx.array, offset: mx.array):
         return self.self_attn.project(self.input_layernorm(x.reshape(x.shape[0], -1)), offset)

@@ -501,6 +501,7 @@ array dequantize(const array& w, const array& scales, const array& biases, int g
 }
 
 void bind_dense(nb::module_& m);  // dense.cpp: the float32 few-row GEMV
+void bind_delta(nb::module_& m);  // delta.cpp: the gated delta rule, one pass per state row
 
 }  // namespace chatml
 
@@ -517,4 +518,5 @@ NB_MODULE(_chatml_qgemv, m) {
   m.def("mlx_version", [] { return std::string(MLX_VERSION_STR); },
         "The MLX version this module was compiled against.");
   chatml::bind_dense(m);
+  chatml::bind_delta(m);
 }

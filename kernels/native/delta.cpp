@@ -1,0 +1,276 @@
+// The gated delta rule for a few tokens as one MLX primitive, one pass over each state row.
+//
+// Per batch row b and value head h (state S [Dv, Dk], key head h / (Hv / Hk)), each token t:
+//     S = g_t S;  u = beta_t (v_t - S k_t);  S += u k_t^T;  y_t = S q_t
+// Row i of S meets only v_t[i]: row by row, S[i] is read once from memory, and for every
+// token it is decayed and dotted with k (one loop over the row, in L1), then updated and
+// dotted with q (a second loop) before the next row. MLX's ops make several passes over the
+// whole [B, Hv, Dv, Dk] state per token (decay, k^T S, the rank-1 update, q S); past the
+// caches (a batch of 8 rows of a 0.8B model holds 8 MiB of state per layer) each pass costs a
+// trip to memory. Here a step costs one read and one write of each state.
+//
+// The rows' states come as separate arrays (one per sequence of a batched decode step) and
+// leave as separate arrays: nothing is stacked or split around the step. A state that nobody
+// else holds is updated in place. Heads split over the thread pool of the GEMV kernels.
+//
+// float32 throughout; each dot product is summed per SIMD lane, then across lanes.
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+#include "pool.h"
+
+namespace nb = nanobind;
+using namespace mlx::core;
+
+namespace chatml {
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int L = 16;
+#else
+constexpr int L = 8;  // AVX2, NEON (two registers) and the compiler's generic vectors
+#endif
+typedef float vf __attribute__((vector_size(L * sizeof(float))));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));  // an unaligned vector load
+  return v;
+}
+
+inline void store(float* p, vf v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int j = 0; j < L; ++j) {
+    s += v[j];
+  }
+  return s;
+}
+
+struct Shapes {
+  int B, T, Hk, Hv, Dk, Dv;
+};
+
+// Every token of one row of one head: `in` (the state row before the step, Dk floats) to
+// `out` (after it; may be `in` itself). x_t points at token t's q or k of the row's key head
+// (stride: tokens), v_i at v_t[i] (stride: tokens too), y_i at y_t[i].
+inline void row(const float* in, float* out, const float* q, const float* k, size_t xs,
+                const float* v, const float* g, const float* beta, size_t hs, float* y,
+                const Shapes& s) {
+  const int Dk = s.Dk;
+  const float* src = in;
+  for (int t = 0; t < s.T; ++t, src = out) {
+    const float* qt = q + t * xs;
+    const float* kt = k + t * xs;
+    const float gt = g[t * hs], bt = beta[t * hs];
+    vf acc = {};
+    int j = 0;
+    for (; j + L <= Dk; j += L) {
+      acc += load(src + j) * load(kt + j);
+    }
+    float kv = hsum(acc);
+    for (; j < Dk; ++j) {
+      kv += src[j] * kt[j];
+    }
+    const float u = bt * (v[t * hs * s.Dv] - gt * kv);  // (g S) k = g (S k)
+    acc = vf{};
+    for (j = 0; j + L <= Dk; j += L) {
+      const vf next = gt * load(src + j) + u * load(kt + j);
+      store(out + j, next);
+      acc += next * load(qt + j);
+    }
+    float yt = hsum(acc);
+    for (; j < Dk; ++j) {
+      out[j] = gt * src[j] + u * kt[j];
+      yt += out[j] * qt[j];
+    }
+    y[t * hs * s.Dv] = yt;
+  }
+}
+
+// Heads [h0, h1) of the B * Hv (row, value head) pairs. Layouts: q, k [B, T, Hk, Dk];
+// v, y [B, T, Hv, Dv]; g, beta [B, T, Hv]; state b at in[b] / out[b], [Hv, Dv, Dk].
+void heads(const float* q, const float* k, const float* v, const float* g, const float* beta,
+           const std::vector<const float*>& in, const std::vector<float*>& out, float* y,
+           const Shapes& s, int h0, int h1) {
+  const int r = s.Hv / s.Hk;
+  const size_t xs = static_cast<size_t>(s.Hk) * s.Dk;  // floats between tokens of q or k
+  const size_t hs = s.Hv;                             // ... of g or beta (v, y: hs * Dv)
+  const size_t head = static_cast<size_t>(s.Dv) * s.Dk;
+  for (int bh = h0; bh < h1; ++bh) {
+    const int b = bh / s.Hv, h = bh % s.Hv;
+    const size_t x0 = static_cast<size_t>(b) * s.T * xs + static_cast<size_t>(h / r) * s.Dk;
+    const size_t g0 = static_cast<size_t>(b) * s.T * hs + h;
+    const size_t v0 = g0 * s.Dv;
+    const float* sin = in[b] + h * head;
+    float* sout = out[b] + h * head;
+    for (int i = 0; i < s.Dv; ++i) {
+      row(sin + i * s.Dk, sout + i * s.Dk, q + x0, k + x0, xs, v + v0 + i, g + g0, beta + g0,
+          hs, y + v0 + i, s);
+    }
+  }
+}
+
+class GatedDeltaRows : public Primitive {
+ public:
+  GatedDeltaRows(Stream stream, Shapes shapes, std::vector<int> rows)
+      : Primitive(stream), s_(shapes), rows_(std::move(rows)) {}
+
+  // inputs: q, k, v, g, beta, then one state per array of rows; outputs: y, then the states.
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (const array& a : inputs) {
+      encoder.set_input_array(a);
+    }
+    outputs[0].set_data(allocator::malloc(outputs[0].nbytes()));
+    std::vector<const float*> in;
+    std::vector<float*> out;
+    const size_t per_row = static_cast<size_t>(s_.Hv) * s_.Dv * s_.Dk;
+    for (size_t i = 0; i < rows_.size(); ++i) {
+      const array& state = inputs[5 + i];
+      array& next = outputs[1 + i];
+      if (state.is_donatable() && state.flags().row_contiguous &&
+          state.data_size() == state.size()) {
+        next.copy_shared_buffer(state);  // nobody else holds it: update in place
+      } else {
+        next.set_data(allocator::malloc(next.nbytes()));
+      }
+      for (int b = 0; b < rows_[i]; ++b) {
+        in.push_back(state.data<float>() + b * per_row);
+        out.push_back(next.data<float>() + b * per_row);
+      }
+    }
+    for (array& a : outputs) {
+      encoder.set_output_array(a);
+    }
+    encoder.dispatch([q = inputs[0].data<float>(), k = inputs[1].data<float>(),
+                      v = inputs[2].data<float>(), g = inputs[3].data<float>(),
+                      beta = inputs[4].data<float>(), y = outputs[0].data<float>(),
+                      in = std::move(in), out = std::move(out), s = s_]() {
+      const int n = s.B * s.Hv;
+      const size_t bytes = static_cast<size_t>(n) * s.Dv * s.Dk * sizeof(float);
+      auto job = [&](int part, int parts) {
+        heads(q, k, v, g, beta, in, out, y, s, n * part / parts, n * (part + 1) / parts);
+      };
+      pool().run(job, bytes < (64u << 10) ? 1 : std::min(n, pool().size()));
+    });
+  }
+
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("[chatml.gated_delta_rows] runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "ChatmlGatedDeltaRows";
+  }
+
+  bool is_equivalent(const Primitive& other) const override {
+    return rows_ == static_cast<const GatedDeltaRows&>(other).rows_;
+  }
+
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    std::vector<Shape> shapes{inputs[2].shape()};
+    for (size_t i = 5; i < inputs.size(); ++i) {
+      shapes.push_back(inputs[i].shape());
+    }
+    return shapes;
+  }
+
+ private:
+  Shapes s_;
+  std::vector<int> rows_;  // rows (leading size) of each state
+};
+
+void check(bool ok, const std::string& what) {
+  if (!ok) {
+    throw std::invalid_argument("[chatml.gated_delta_rows] " + what);
+  }
+}
+
+std::string dims(const Shape& shape) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    out << (i ? ", " : "") << shape[i];
+  }
+  return out.str() + "]";
+}
+
+std::string dims(const array& a) {
+  return dims(a.shape());
+}
+
+// q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; states: arrays [b_i, Hv, Dv, Dk]
+// whose b_i add up to B, all float32. Returns [y [B, T, Hv, Dv], the states after the T steps].
+std::vector<array> gated_delta_rows(const array& q, const array& k, const array& v,
+                                    const array& g, const array& beta,
+                                    const std::vector<array>& states) {
+  for (const array* a : {&q, &k, &v, &g, &beta}) {
+    check(a->dtype() == float32, "q, k, v, g and beta must be float32");
+  }
+  check(q.ndim() == 4 && k.shape() == q.shape(), "q and k must be [B, T, Hk, Dk], got q " +
+                                                     dims(q) + ", k " + dims(k));
+  const int B = q.shape(0), T = q.shape(1), Hk = q.shape(2), Dk = q.shape(3);
+  check(v.ndim() == 4 && v.shape(0) == B && v.shape(1) == T,
+        "v must be [B, T, Hv, Dv] with q's B, T; got v " + dims(v) + ", q " + dims(q));
+  const int Hv = v.shape(2), Dv = v.shape(3);
+  check(Hk > 0 && Hv % Hk == 0, "Hv (" + std::to_string(Hv) + ") must be a multiple of Hk (" +
+                                    std::to_string(Hk) + ")");
+  const Shape per_head{B, T, Hv};
+  check(g.shape() == per_head && beta.shape() == per_head,
+        "g and beta must be [B, T, Hv] = " + dims(per_head) + ", got " + dims(g) + " and " +
+            dims(beta));
+  Stream s = default_stream(Device::cpu);
+  std::vector<array> inputs;
+  for (const array* a : {&q, &k, &v, &g, &beta}) {
+    inputs.push_back(contiguous(*a, false, s));
+  }
+  std::vector<int> rows;
+  std::vector<Shape> shapes{v.shape()};
+  std::vector<Dtype> dtypes{float32};
+  int total = 0;
+  for (const array& state : states) {
+    check(state.dtype() == float32, "every state must be float32");
+    check(state.ndim() == 4 && state.shape(1) == Hv && state.shape(2) == Dv &&
+              state.shape(3) == Dk,
+          "a state must be [rows, Hv, Dv, Dk] = [rows, " + std::to_string(Hv) + ", " +
+              std::to_string(Dv) + ", " + std::to_string(Dk) + "], got " + dims(state));
+    rows.push_back(state.shape(0));
+    total += state.shape(0);
+    inputs.push_back(contiguous(state, false, s));
+    shapes.push_back(state.shape());
+    dtypes.push_back(float32);
+  }
+  check(total == B, "the states hold " + std::to_string(total) + " rows, q has B = " +
+                        std::to_string(B));
+  return array::make_arrays(std::move(shapes), dtypes,
+                            std::make_shared<GatedDeltaRows>(s, Shapes{B, T, Hk, Hv, Dk, Dv},
+                                                             std::move(rows)),
+                            inputs);
+}
+
+}  // namespace
+
+void bind_delta(nb::module_& m) {
+  m.def("gated_delta_rows", &gated_delta_rows, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("g"), nb::arg("beta"), nb::arg("states"),
+        "The gated delta rule for T tokens of B rows, one pass over each state row (CPU, "
+        "float32): [y, *states after].");
+}
+
+}  // namespace chatml
