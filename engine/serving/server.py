@@ -669,9 +669,7 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
         except ValueError as e:
             print(f"chatml serve: error: {e}", file=sys.stderr)
             return 2
-        if shard:
-            print("chatml serve: no disk cache with --shard (not available yet)", flush=True)
-        elif not args.no_disk_cache:
+        if not args.no_disk_cache:  # with --shard, rank 0 gathers the entries (state_file)
             from ..storage.disk_cache import DiskCacheBusy
 
             try:
