@@ -71,16 +71,19 @@ def _finish(procs) -> list[tuple[int, str, str]]:
     return out
 
 
-def _compare(ref, tmp_path: Path, model: str, *flags: str) -> None:
-    """Run the scripted chat on 2 ranks; compare with `ref` (rows, logits) of one process."""
-    out = tmp_path / "two"
+def _two_ranks(tmp_path: Path, model: str, *flags: str, out: str = "two"):
+    """Run the scripted chat on 2 ranks, both of which must exit 0: (rows, logits)."""
+    out = tmp_path / out
     results = _finish(_launch(tmp_path, [model, str(out), *flags]))
     for rank, (code, _, stderr) in enumerate(results):
         assert code == 0, f"rank {rank} failed:\n{stderr[-3000:]}"
-    rows, logits = (
-        json.loads(out.with_suffix(".json").read_text()),
-        np.load(out.with_suffix(".npz")),
-    )
+    logits = np.load(out.with_suffix(".npz"))
+    return json.loads(out.with_suffix(".json").read_text()), [logits[k] for k in logits.files]
+
+
+def _compare(ref, tmp_path: Path, model: str, *flags: str) -> None:
+    """Run the scripted chat on 2 ranks; compare with `ref` (rows, logits) of one process."""
+    rows, logits = _two_ranks(tmp_path, model, *flags)
     want_rows, want_logits = ref
     assert len(rows) == len(want_rows)
     for i, (got, want) in enumerate(zip(rows, want_rows)):
@@ -88,8 +91,9 @@ def _compare(ref, tmp_path: Path, model: str, *flags: str) -> None:
         for key in set(want) - {"logprobs"}:
             assert got[key] == want[key], f"turn {i}: {key} {got[key]} != {want[key]}"
         assert np.allclose(got.get("logprobs", []), want.get("logprobs", []), atol=1e-4, rtol=0)
-    for i, want in enumerate(want_logits):
-        assert np.abs(logits[f"arr_{i}"] - want).max() <= 1e-4, f"fresh-prefill logits {i}"
+    assert len(logits) == len(want_logits)
+    for i, (got, want) in enumerate(zip(logits, want_logits)):
+        assert np.abs(got - want).max() <= 1e-4, f"fresh-prefill logits {i}"
 
 
 def test_two_ranks_chat_exactly_as_one_process(tiny, tmp_path):
@@ -113,6 +117,49 @@ def test_two_ranks_mixture_of_experts(tiny_moe, tmp_path):
     path = str(tiny_moe.path)
     ref = shard_chat.run(engine.load(path, chunked_delta=False), short=True)
     _compare(ref, tmp_path, path, "--sequential", "--short")
+
+
+def test_saved_session_and_disk_tier_resume_in_a_new_launch(tiny, tmp_path):
+    # Two ranks chat in a persisted session with a disk tier and exit; a new 2-rank launch
+    # resumes both. Rank 0 gathers every layer into the state files: they equal one
+    # process's (same tensors, values within 1e-4), and a sharded save resumes exactly in one
+    # process too. The resumed answers, reused/prefilled counts and cache bytes equal one
+    # process resuming the same files, and each answer is what a fresh prefill decodes.
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    two, one = tmp_path / "two-home", tmp_path / "one-home"
+    saved = _two_ranks(tmp_path, "tiny", "--save", str(two), out="save")
+    want = shard_chat.persist(engine.load("tiny"), one, resume=False)
+    _same_turns(saved, want)
+    state = "sessions/saved/state.safetensors"
+    got, ref = load_file(two / state), load_file(one / state)
+    assert sorted(got) == sorted(ref) and any(k.startswith("snap.") for k in got)
+    for name in ref:
+        assert got[name].shape == ref[name].shape, name
+        assert np.allclose(got[name], ref[name], atol=1e-4, rtol=0), name
+    entries = sorted(p.name for p in (two / "disk").glob("*/*.safetensors"))
+    assert entries and entries == sorted(p.name for p in (one / "disk").glob("*/*.safetensors"))
+
+    shutil.copytree(two, tmp_path / "copy")  # the 2-rank save, for one process to resume
+    resumed = _two_ranks(tmp_path, "tiny", "--resume", str(two), out="resume")
+    want = shard_chat.persist(engine.load("tiny"), tmp_path / "copy", resume=True)
+    _same_turns(resumed, want)
+    rows = resumed[0]
+    assert all(r["state_loaded"] and r["resumed"] == 2 and r["disk_reads"] == 1 for r in rows)
+    assert rows[0]["reused"] > 0  # the stateless chat, in a fresh process: from the disk tier
+
+
+def _same_turns(got, want) -> None:
+    """Equal rows (tokens, counts, cache bytes), each answer a fresh prefill's, and the
+    fresh-prefill logits within 1e-4."""
+    (rows, logits), (want_rows, want_logits) = got, want
+    assert rows == want_rows
+    assert all(r["tokens"] == r["fresh"] for r in rows)
+    assert len(logits) == len(want_logits)
+    for a, b in zip(logits, want_logits):
+        assert np.abs(a - b).max() <= 1e-4
 
 
 def _answering(procs) -> None:
