@@ -275,3 +275,93 @@ def test_chat_cli_under_mlx_launch_answers_as_one_process(tiny, tmp_path):
     timings = re.compile(r"; ttft [^;]*; decode [^;]*;")  # counts kept, times dropped
     assert "reused 0, prefilled" in one.stdout
     assert timings.sub("", two.stdout) == timings.sub("", one.stdout)
+
+
+def _serve(tmp_path: Path, name: str, launcher: list[str], *flags: str):
+    """Start a server (its own process group; stderr to a file) and wait for its banner:
+    (process, base URL)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CHATML_TEST_SERVER": str(tmp_path / name)}
+    proc = subprocess.Popen(
+        [*launcher, sys.executable, "-m", "engine.cli", "serve", "--model", "tiny", "--port", "0",
+         "--cache-dir", str(tmp_path / name / "disk"), *flags],
+        env=env, text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=(tmp_path / f"{name}.err").open("w"), start_new_session=True,
+    )  # fmt: skip
+    for line in proc.stdout:  # the banner: printed once the model is loaded and the port listens
+        if found := re.match(r"chatml serve: tiny on (http://\S+/v1)", line):
+            return proc, found[1]
+    proc.wait(timeout=WAIT)
+    raise AssertionError(f"{name}: no banner\n{(tmp_path / f'{name}.err').read_text()[-3000:]}")
+
+
+def _ask(url: str, messages: list[dict]) -> dict:
+    from urllib.request import Request, urlopen
+
+    body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0,
+            "presence_penalty": 0, "logprobs": True}  # fmt: skip
+    request = Request(f"{url}/chat/completions", json.dumps(body).encode(),
+                      {"Content-Type": "application/json"})  # fmt: skip
+    with urlopen(request, timeout=WAIT) as r:
+        return json.loads(r.read())
+
+
+def _rank_0_of(marker: str) -> int:
+    """The pid of rank 0 under an mlx.launch whose environment holds `marker`."""
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            names = set(env.read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if f"CHATML_TEST_SERVER={marker}".encode() in names and b"MLX_RANK=0" in names:
+            return int(env.parent.name)
+    raise AssertionError("rank 0 of the sharded server not found")
+
+
+def test_sharded_server_answers_as_one_process(tiny, tmp_path):
+    # `mlx.launch -n 2 ... chatml serve --shard pipeline`: two requests, the second reusing the
+    # first's prefix, answered as a 1-process server answers them (tokens, logprobs within
+    # 1e-4, usage with cached tokens). SIGTERM to rank 0 stops the group cleanly (mlx.launch
+    # warns of a rank that did not exit 0: rank 1 exits 0 only if it was told to stop and held
+    # exactly the states rank 0 named), and both servers leave the same disk entries.
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    if not launcher.exists():
+        pytest.skip("mlx.launch is not installed beside this interpreter")
+    if not Path("/proc/self/environ").exists():
+        pytest.skip("finds rank 0 under mlx.launch through /proc (Linux)")
+    with socket.socket() as s:  # mlx.launch uses this port and the next
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ring = [str(launcher), "-n", "2", "--backend", "ring", "--starting-port", str(port), "--"]
+    servers = []
+    try:
+        servers.append(_serve(tmp_path, "one", []))
+        servers.append(_serve(tmp_path, "two", ring, "--shard", "pipeline"))
+        first = [{"role": "user", "content": shard_chat.QUESTIONS[0]}]
+        answers = []
+        for _, url in servers:
+            a = _ask(url, first)
+            follow = [*first, a["choices"][0]["message"], {"role": "user", "content": "And?"}]
+            answers.append([a, _ask(url, follow)])
+        # Both write their pools to disk and exit (uvicorn ends by re-raising the signal).
+        os.kill(servers[0][0].pid, signal.SIGTERM)
+        os.kill(_rank_0_of(str(tmp_path / "two")), signal.SIGTERM)
+        for proc, _ in servers:
+            proc.wait(timeout=WAIT)
+        err = (tmp_path / "two.err").read_text()
+        assert "Application shutdown complete" in err and "Node with rank 1" not in err, err[-3000:]
+    finally:
+        for proc, _ in servers:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=WAIT)
+    for want, got in zip(*answers):
+        assert got["usage"] == want["usage"]
+        assert got["choices"][0]["message"] == want["choices"][0]["message"]
+        pieces = [c["logprobs"]["content"] for c in (got["choices"][0], want["choices"][0])]
+        assert [p["token"] for p in pieces[0]] == [p["token"] for p in pieces[1]]
+        assert np.allclose([p["logprob"] for p in pieces[0]], [p["logprob"] for p in pieces[1]],
+                           atol=1e-4, rtol=0)  # fmt: skip
+    assert answers[1][1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    entries = [sorted(p.name for p in (tmp_path / n / "disk").glob("*/*.safetensors"))
+               for n in ("one", "two")]  # fmt: skip
+    assert entries[0] and entries[0] == entries[1]

@@ -40,6 +40,7 @@ import collections
 import hashlib
 import itertools
 import os
+import signal
 import sys
 import threading
 import time
@@ -633,6 +634,18 @@ def attach(engine) -> None:
 
     heartbeat(model, worker_of)
     atexit.register(_stop_at_exit, model, ref)
+    _exit_on_sigterm()
+
+
+def _exit_on_sigterm() -> None:
+    """Let SIGTERM end rank 0 as an exit does, so `_stop_at_exit` tells the followers to stop
+    (by default the signal kills the process at once: they would see a lost peer, exit 3).
+    `chatml serve` gets this too: uvicorn re-raises the signal into this handler once it has
+    shut down. A handler someone else installed is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda sig, frame: sys.exit(128 + sig))
 
 
 def _stop_at_exit(model: PipelineModel, ref) -> None:
