@@ -222,6 +222,26 @@ def test_plan_splits_contiguous_ranges_last_layers_on_rank_0():
         shard.plan(8, 9)
 
 
+def test_packed_arrays_come_back_whole():
+    # How cache states travel (one buffer per transfer): dtypes, odd sizes (padding), a
+    # strided slice (KV rows), against numpy copies; each unpacked array owns its memory.
+    import mlx.core as mx
+
+    kv = mx.random.normal((1, 2, 300, 8))[:, :, :37]
+    arrays = [kv, mx.arange(7, dtype=mx.bfloat16).reshape(1, 7), mx.random.normal((3,)),
+              mx.ones((1, 3, 5), dtype=mx.float16)]  # fmt: skip
+    want = [np.array(a.astype(mx.float32)) for a in arrays]
+    meta, buf = shard.pack(arrays)
+    assert buf.nbytes == shard.packed_nbytes(meta) and buf.nbytes % shard.ALIGN == 0
+    back = shard.unpack(meta, buf)
+    del buf
+    for a, b, w in zip(arrays, back, want):
+        assert b.dtype == a.dtype and b.shape == a.shape
+        assert np.array_equal(np.array(b.astype(mx.float32)), w)
+    with pytest.raises(shard.ShardError, match="int32 array of shape"):
+        shard.pack([mx.array([1])])
+
+
 def test_a_process_alone_cannot_shard(tiny):
     with pytest.raises(shard.ShardError, match="this one is alone: start it with `mlx.launch"):
         engine.load("tiny", shard="pipeline")

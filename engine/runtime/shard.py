@@ -39,6 +39,7 @@ import atexit
 import collections
 import hashlib
 import itertools
+import math
 import os
 import signal
 import sys
@@ -228,21 +229,14 @@ def _shapes(meta: list[int]):
 
 
 def packed_nbytes(meta: list[int]) -> int:
-    return sum(_padded(dtype.size * _prod(shape)) for dtype, shape in _shapes(meta))
-
-
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return sum(_padded(dtype.size * math.prod(shape)) for dtype, shape in _shapes(meta))
 
 
 def unpack(meta: list[int], buf: mx.array | None) -> list[mx.array]:
     """The arrays `pack` packed, each its own copy (a view would keep the buffer alive)."""
     out, at = [], 0
     for dtype, shape in _shapes(meta):
-        n = dtype.size * _prod(shape)
+        n = dtype.size * math.prod(shape)
         out.append(mx.contiguous(buf[at : at + n].view(dtype).reshape(shape)))
         at += _padded(n)
     return out
