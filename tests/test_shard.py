@@ -342,7 +342,7 @@ def test_sharded_server_answers_as_one_process(tiny, tmp_path):
     # first's prefix, answered as a 1-process server answers them (tokens, logprobs within
     # 1e-4, usage with cached tokens). SIGTERM to rank 0 stops the group cleanly (mlx.launch
     # warns of a rank that did not exit 0: rank 1 exits 0 only if it was told to stop and held
-    # exactly the states rank 0 named), and both servers leave the same disk entries.
+    # exactly the states rank 0 named), and the disk entries both servers wrote are equal.
     launcher = Path(sys.executable).with_name("mlx.launch")
     if not launcher.exists():
         pytest.skip("mlx.launch is not installed beside this interpreter")
@@ -374,14 +374,35 @@ def test_sharded_server_answers_as_one_process(tiny, tmp_path):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=WAIT)
-    for want, got in zip(*answers):
+    (one_first, one_second), (two_first, two_second) = answers
+
+    def cached(answer: dict) -> int:
+        return answer["usage"].pop("prompt_tokens_details")["cached_tokens"]
+
+    assert cached(one_first) == cached(two_first) == 0
+    # How much of the second prompt is cached depends on how far the idle warm-up got before
+    # it came (timing); at least the whole first prompt (the snapshot at its answer's start).
+    first_prompt = one_first["usage"]["prompt_tokens"]
+    assert min(cached(one_second), cached(two_second)) >= first_prompt > 0
+    for want, got in ((one_first, two_first), (one_second, two_second)):
         assert got["usage"] == want["usage"]
         assert got["choices"][0]["message"] == want["choices"][0]["message"]
         pieces = [c["logprobs"]["content"] for c in (got["choices"][0], want["choices"][0])]
         assert [p["token"] for p in pieces[0]] == [p["token"] for p in pieces[1]]
         assert np.allclose([p["logprob"] for p in pieces[0]], [p["logprob"] for p in pieces[1]],
                            atol=1e-4, rtol=0)  # fmt: skip
-    assert answers[1][1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    entries = [sorted(p.name for p in (tmp_path / n / "disk").glob("*/*.safetensors"))
-               for n in ("one", "two")]  # fmt: skip
-    assert entries[0] and entries[0] == entries[1]
+    _same_entries(tmp_path / "one" / "disk", tmp_path / "two" / "disk")
+
+
+def _same_entries(one: Path, two: Path) -> None:
+    """The disk-tier entries both folders hold (each turn's resume points at least; what the
+    pools' shutdown writes depends on the warm-up's progress) have the same tensors."""
+    from safetensors.numpy import load_file
+
+    names = [{p.relative_to(d) for p in d.glob("*/*.safetensors")} for d in (one, two)]
+    common = names[0] & names[1]
+    assert len(common) >= 2, names
+    for name in common:
+        a, b = load_file(one / name), load_file(two / name)
+        assert sorted(a) == sorted(b)
+        assert all(np.allclose(a[k], b[k], atol=1e-4, rtol=0) for k in a), name
