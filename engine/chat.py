@@ -376,9 +376,6 @@ class Chat:
         if self.args.no_history:
             _err("error: --no-history keeps no conversation to save")
             return
-        if self.engine.sharded:
-            _err("error: saved sessions are not available with --shard yet")
-            return
         if self.stored is not None:
             if session_id and session_id != self.stored.id:
                 _err(f"error: already saving as {self.stored.id!r}")
@@ -512,8 +509,6 @@ def run_chat(args) -> int:
 
     try:
         spec = speculative_options(args)
-        if args.shard and args.session is not None:
-            raise ValueError("--session (a saved conversation) is not available with --shard yet")
     except ValueError as e:  # before the model loads
         _err(f"chatml chat: {e}")
         return 2

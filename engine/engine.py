@@ -155,8 +155,6 @@ class Engine:
         took on it already, before loading the model, so that a busy folder fails first)."""
         from .storage.disk_cache import DiskCache
 
-        if self.sharded:
-            raise ValueError("the disk cache is not available with shard='pipeline' yet")
         self.detach_disk()
         self.disk = DiskCache(self, directory, max_bytes, **options)
         self.budget.spill = self.disk.spill
@@ -300,12 +298,13 @@ def load(
     over the processes (engine/runtime/shard.py): each loads only its layers. Rank 0 returns
     the Engine; on the other ranks `load` serves rank 0 and exits the process when it is done.
     A sharded model steps its generations one row at a time (no batched decode pass yet).
+    Its state files (persisted sessions, `cache_dir`) are written and read by rank 0 alone,
+    with every layer gathered in: they are the files one process writes (only rank 0 needs
+    `cache_dir`, and the session store), and resume under any split or none.
     """
     spec = speculation(speculative, num_draft)
     if shard not in (None, "pipeline"):
         raise ValueError(f"shard must be 'pipeline' or None, got {shard!r}")
-    if shard and cache_dir is not None:
-        raise ValueError("cache_dir (the disk tier) is not available with shard='pipeline' yet")
     folder = None
     if cache_dir is not None:  # a folder another process holds fails now, not after the load
         from .storage.disk_cache import FolderLock

@@ -1,10 +1,13 @@
 """A scripted chat for the sharding tests (tests/test_shard.py), run in one process or by every
 rank of a launched group: `python tests/shard_chat.py MODEL OUT [--shard pipeline] [--pause]
-[--sequential] [--short] [--budget BYTES]`. Rank 0 writes OUT.json (per turn: tokens, counts, logprobs) and OUT.npz
-(the logits of fresh prefills); the other ranks serve it and exit.
+[--sequential] [--short] [--budget BYTES] [--save HOME | --resume HOME]`. Rank 0 writes
+OUT.json (per turn: tokens, counts, logprobs) and OUT.npz (the logits of fresh prefills); the
+other ranks serve it and exit.
 
 `--pause` streams one long answer instead, printing ANSWERING after its first piece and
 waiting for a line on stdin before reading on (the tests kill or stop a rank there).
+`--save HOME` chats in a persisted session under HOME, with a disk tier in HOME/disk;
+`--resume HOME` resumes it there (see `persist`).
 """
 
 from __future__ import annotations
@@ -153,6 +156,65 @@ def _more(eng, s, ask, session_module) -> list:
     return turns + [first, eng.chat(messages, max_tokens=MAX_TOKENS)]
 
 
+SESSION, SYSTEM = "saved", "You are a helpful assistant."
+
+
+def persist(eng, home: Path, resume: bool) -> tuple[list[dict], list]:
+    """Save: two turns of a persisted session (its state saved after each; the disk tier
+    keeps each turn's resume points). Resume, in a new process: first a stateless chat of the
+    saved conversation, which only the disk tier can serve (the pool starts empty); then the
+    session resumed from its state file, two turns (the first trims the window: it restarts
+    from a snapshot read from the file) and a regenerate. Per turn: tokens, counts, whether
+    the state came from disk, and the tokens a fresh prefill of the same prompt decodes."""
+    import math
+
+    import mlx.core as mx
+    import numpy as np
+
+    from engine.runtime.generate import decode, prefill
+    from engine.runtime.sampling import Sampler, SamplingParams
+    from engine.storage.store import SessionStore
+
+    disk = eng.attach_disk(home / "disk", 1 << 30, min_tokens=8)
+    disk.read_bps = math.inf  # a read always beats a prefill: the choice must not be timed
+    store = SessionStore(home, warn=print)
+    turns, extra = [], {}
+    if resume:
+        saved = store.read(SESSION).history
+        messages = [{"role": "system", "content": SYSTEM}, *saved[0],
+                    {"role": "user", "content": QUESTIONS[1]}]  # fmt: skip
+        turns.append(eng.chat(messages, max_tokens=MAX_TOKENS))
+        extra["disk_reads"] = disk.reads
+    stored = store.open(SESSION, eng, system=SYSTEM, max_exchanges=1)
+    extra["state_loaded"], extra["resumed"] = stored.state_loaded, stored.resumed_turns
+    s = stored.session
+    asks = QUESTIONS[2:4] if resume else QUESTIONS[:2]
+    for q in asks:
+        turns.append(s.send(q, max_tokens=MAX_TOKENS))
+        stored.append_turn(turns[-1])
+        stored.save_state()
+    if resume:
+        turns.append(s.regenerate(max_tokens=MAX_TOKENS))
+    stored.close()
+    eng.detach_disk()  # its writes finish; the folder is free for the next process
+
+    def fresh(ids, n):
+        caches = eng.model.make_caches()
+        logits, _ = prefill(eng.model, caches, ids, 0)
+        out = list(decode(eng.model, caches, logits, Sampler(SamplingParams()), max_tokens=n,
+                          stop_ids=(), history=list(ids)))  # fmt: skip
+        return out, np.array(logits.astype(mx.float32))
+
+    rows, logits = [], []
+    for t in turns:
+        tokens, last = eng.worker.call(fresh, t.prompt_ids, len(t.token_ids))
+        rows.append({"tokens": t.token_ids, "fresh": tokens, "reused": t.stats.reused_tokens,
+                     "prefilled": t.stats.prefilled_tokens, "cache_bytes": t.stats.cache_bytes,
+                     **extra})  # fmt: skip
+        logits.append(last)
+    return rows, logits
+
+
 def pause(eng) -> None:
     s = eng.session("You are a helpful assistant.")
     for i, _ in enumerate(s.stream(QUESTIONS[2], max_tokens=4000)):
@@ -172,7 +234,11 @@ def main(argv: list[str]) -> None:
         return pause(eng)
     import numpy as np
 
-    rows, logits = run(eng, short="--short" in argv)
+    if "--save" in argv or "--resume" in argv:
+        home = Path(argv[argv.index("--save" if "--save" in argv else "--resume") + 1])
+        rows, logits = persist(eng, home, resume="--resume" in argv)
+    else:
+        rows, logits = run(eng, short="--short" in argv)
     out.with_suffix(".json").write_text(json.dumps(rows))
     np.savez(out.with_suffix(".npz"), *logits)
 

@@ -16,7 +16,21 @@ import mlx.nn as nn
 from ..checkpoints.registry import Architecture
 from .cache import KVCache, RecurrentCache
 from .model import ModelOptions
-from .shard import DTYPES, OP_FORWARD, OP_STOP, Link, ShardError, fatal, layer_list
+from .shard import (
+    DTYPES,
+    HANDLE,
+    KEYS,
+    OP_FETCH,
+    OP_FORWARD,
+    OP_STOP,
+    OP_STORE,
+    Link,
+    ShardError,
+    fatal,
+    layer_list,
+    pack,
+    unpack,
+)
 
 
 class Stage(nn.Module):
@@ -59,6 +73,10 @@ class Follower:
                 return self._check_held(rest[0])
             if op == OP_FORWARD:
                 self._forward(rest)
+            elif op == OP_FETCH:
+                self._fetch(rest)
+            elif op == OP_STORE:
+                self._store(rest)
 
     def _check_held(self, named: int) -> None:
         """At the end, this rank holds exactly the states rank 0 still names (and its share
@@ -126,6 +144,64 @@ class Follower:
         mx.eval(x, kept, arrays)
         with self.link.wait(f"sending a {T}-position step to rank {self.link.dst}"):
             self.link.send(x)
+
+    def _fetch(self, p: list[int]) -> None:
+        """Send rank 0 copies of the arrays it asks for that this rank holds, after those of
+        the ranks before it on the ring (rank N-1 starts, rank 1 ends at rank 0)."""
+        wanted = [p[1 + 4 * j : 5 + 4 * j] for j in range(p[0])]
+        mine = [self._held(*w) for w in wanted if w[0] in self.mine]
+        meta, buf = [], None
+        if self.link.src != 0:
+            with self.link.wait(f"for rank {self.link.src}'s cache states"):
+                meta, buf = self.link.recv_packed()
+        more, extra = pack(mine)
+        mx.eval(extra)
+        if more:
+            meta, buf = meta + more, extra if buf is None else mx.concatenate([buf, extra])
+        with self.link.wait(f"sending cache states to rank {self.link.dst}"):
+            self.link.send_packed(meta, buf)
+
+    def _held(self, layer: int, kind: int, ref: int, rows: int) -> mx.array:
+        if kind == HANDLE:
+            if ref not in self.store:
+                raise ShardError(f"{self.link.who()}: layer {layer}: unknown state handle {ref}")
+            return self.store[ref]
+        c = self.kv.get(ref, {}).get(layer)
+        if c is None or c.keys is None or c.offset < rows:
+            held = 0 if c is None else c.offset
+            raise ShardError(
+                f"{self.link.who()}: layer {layer} holds {held} positions, rank 0 asks for {rows}"
+            )
+        return (c.keys if kind == KEYS else c.values)[:, :, :rows]
+
+    def _store(self, p: list[int]) -> None:
+        """Take the arrays of rank 0's upload meant for this rank's layers (passing all of
+        them on to the next follower first)."""
+        items = [p[1 + 3 * j : 4 + 3 * j] for j in range(p[0])]
+        with self.link.wait("for cache states from rank 0"):
+            meta, buf = self.link.recv_packed()
+        if self.link.dst != 0:
+            with self.link.wait(f"passing cache states to rank {self.link.dst}"):
+                self.link.send_packed(meta, buf)
+        arrays = unpack(meta, buf)
+        if len(arrays) != len(items):
+            raise ShardError(f"{self.link.who()}: {len(items)} cache states named, "
+                             f"{len(arrays)} sent")  # fmt: skip
+        rows: dict[tuple[int, int], list] = {}
+        kept = []
+        for (layer, kind, ref), a in zip(items, arrays):
+            if layer not in self.mine:
+                continue
+            if kind == HANDLE:
+                self.store[ref] = a
+                kept.append(a)
+            else:
+                rows.setdefault((ref, layer), [None, None])[kind - KEYS] = a
+        for (owner, layer), (keys, values) in rows.items():
+            c = self.kv.setdefault(owner, {})[layer] = KVCache()
+            c.load_state(keys, values)
+            kept += [a for a in (c.keys, c.values) if a is not None]
+        mx.eval(kept)
 
 
 def follow(stage: Stage, link: Link) -> None:

@@ -18,6 +18,15 @@ under. Lock-step holds by construction: a follower never keeps state rank 0 does
 A handle that rank 0 drops (snapshot evicted, sequence reset) is released on the follower
 with the next message, so follower memory mirrors rank 0's budget.
 
+States leave and enter the followers only for disk (persisted sessions, the disk tier of the
+prefix cache): `PipelineModel.fetch` gathers the arrays some handles and KV rows stand for to
+rank 0, `PipelineModel.upload` sends arrays to the followers under new handles. So a state
+file is the same file one process writes, and holds the whole model's layers: it resumes
+exactly under any split (another rank count, or none), and sits with the session's log on rank
+0's disk (the other machines need no copy of the store). The price: every save moves the
+followers' share of the state over the link once (a per-rank file would keep it local, but
+tie the file to one layout and need every machine's store to be there on resume).
+
 A rank that dies closes its sockets and the ring backend fails the others' pending transfer:
 they exit with a message. A rank that hangs (a machine gone without closing its sockets) is
 caught by a watchdog: no transfer waits longer than `CHATML_SHARD_TIMEOUT` seconds (default
@@ -30,11 +39,14 @@ import atexit
 import collections
 import hashlib
 import itertools
+import math
 import os
+import signal
 import sys
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,10 +56,12 @@ from .cache import KV_STEP, KVCache, RecurrentCache
 from .model import DecoderLayer, LanguageHead, ModelOptions, RMSNorm
 
 MODES = ("pipeline",)
-PROTOCOL = 1
+PROTOCOL = 2
 MAGIC = 0x63686D6C  # "chml": the first word of every message header
-OP_FORWARD, OP_PING, OP_STOP = 1, 2, 3
-DTYPES = (mx.float32, mx.bfloat16, mx.float16)  # hidden states travel in one of these
+OP_FORWARD, OP_PING, OP_STOP, OP_FETCH, OP_STORE = 1, 2, 3, 4, 5
+DTYPES = (mx.float32, mx.bfloat16, mx.float16)  # hidden states and cache states travel in these
+HANDLE, KEYS, VALUES = 0, 1, 2  # what a fetched or uploaded array is (`Wanted.kind`)
+ALIGN = 16  # bytes: each array of a packed buffer starts at a multiple of this
 EXIT_LOST = 3  # exit status of a rank whose peer died or hung
 DEFAULT_TIMEOUT = 120.0
 
@@ -168,12 +182,64 @@ class Link:
         if payload:
             self.send(mx.array(payload, dtype=mx.int64))
 
+    def send_packed(self, meta: list[int], buf: mx.array | None) -> None:
+        """Arrays from `pack`: their shapes, then their bytes in one transfer."""
+        self.send(mx.array([len(meta)], dtype=mx.int64))
+        if meta:
+            self.send(mx.array(meta, dtype=mx.int64))
+            self.send(buf)
+
+    def recv_packed(self) -> tuple[list[int], mx.array | None]:
+        (n,) = self.recv((1,), mx.int64).tolist()
+        if not n:
+            return [], None
+        meta = self.recv((n,), mx.int64).tolist()
+        return meta, self.recv((packed_nbytes(meta),), mx.uint8)
+
     def recv_message(self) -> tuple[int, int, list[int]]:
         magic, op, n, seq = self.recv((4,), mx.int64).tolist()
         if magic != MAGIC:
             raise ShardError(f"{self.who()}: garbled message from rank {self.src} ({magic:#x})")
         payload = self.recv((n,), mx.int64).tolist() if n else []
         return op, seq, payload
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def pack(arrays: list[mx.array]) -> tuple[list[int], mx.array | None]:
+    """Arrays as one byte buffer (one transfer, whatever their number) and what it holds:
+    per array its dtype (an index into DTYPES), its rank and four dimensions."""
+    meta, parts = [], []
+    for a in arrays:
+        if a.dtype not in DTYPES or a.ndim > 4:
+            raise ShardError(f"a {a.dtype} array of shape {a.shape} cannot travel")
+        meta += [DTYPES.index(a.dtype), a.ndim, *a.shape, *[0] * (4 - a.ndim)]
+        raw = a.reshape(-1).view(mx.uint8)
+        pad = _padded(raw.size) - raw.size
+        parts += [raw, mx.zeros((pad,), mx.uint8)] if pad else [raw]
+    return meta, mx.concatenate(parts) if parts else None
+
+
+def _shapes(meta: list[int]):
+    for j in range(0, len(meta), 6):
+        dtype, ndim = DTYPES[meta[j]], meta[j + 1]
+        yield dtype, tuple(meta[j + 2 : j + 2 + ndim])
+
+
+def packed_nbytes(meta: list[int]) -> int:
+    return sum(_padded(dtype.size * math.prod(shape)) for dtype, shape in _shapes(meta))
+
+
+def unpack(meta: list[int], buf: mx.array | None) -> list[mx.array]:
+    """The arrays `pack` packed, each its own copy (a view would keep the buffer alive)."""
+    out, at = [], 0
+    for dtype, shape in _shapes(meta):
+        n = dtype.size * math.prod(shape)
+        out.append(mx.contiguous(buf[at : at + n].view(dtype).reshape(shape)))
+        at += _padded(n)
+    return out
 
 
 def fatal(message: str) -> None:
@@ -295,6 +361,11 @@ class RemoteKVCache(KVCache):
     def update(self, k, v):
         raise ShardError("this layer's attention cache lives on another rank")
 
+    def load_state(self, keys: mx.array, values: mx.array) -> None:
+        """Stand for `keys.shape[2]` positions (the arrays go to the follower: `Upload`)."""
+        self.offset = self.capacity = 0
+        self.advance(keys.shape[2])
+
     @property
     def nbytes(self) -> int:
         return self.capacity * self.token_bytes
@@ -310,6 +381,43 @@ class RemoteRecurrentCache(RecurrentCache):
 
 def _ref(a: RemoteArray | None) -> int:
     return 0 if a is None else a.id
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """An array a follower holds, asked for by rank 0 (`PipelineModel.fetch`): a recurrent
+    array (`HANDLE`, `ref` a RemoteArray) or the first `rows` KV rows of an attention layer's
+    cache (`KEYS` or `VALUES`, `ref` a RemoteKVCache)."""
+
+    layer: int
+    kind: int
+    ref: RemoteArray | RemoteKVCache
+    rows: int = 0
+
+    def wire(self) -> list[int]:
+        ref = self.ref.id if self.kind == HANDLE else self.ref.owner.id
+        return [self.layer, self.kind, ref, self.rows]
+
+
+class Upload:
+    """Arrays bound for the followers' layers (a state read from disk), collected while the
+    state is checked and sent at once by `PipelineModel.upload`: nothing travels for a state
+    that turns out unusable (its handles are released with the next message)."""
+
+    def __init__(self):
+        self.items: list[tuple[int, int, int, mx.array]] = []  # layer, kind, ref, array
+
+    def handle(self, layer: int, a: mx.array | None) -> RemoteArray | None:
+        """A handle for `a`, which is to live on the rank holding `layer`."""
+        if a is None:
+            return None
+        h = RemoteArray(a.nbytes)
+        self.items.append((layer, HANDLE, h.id, a))
+        return h
+
+    def kv(self, layer: int, cache: RemoteKVCache, keys: mx.array, values: mx.array) -> None:
+        cache.load_state(keys, values)
+        self.items += [(layer, KEYS, cache.owner.id, keys), (layer, VALUES, cache.owner.id, values)]
 
 
 class PipelineModel(LanguageHead, nn.Module):
@@ -409,6 +517,44 @@ class PipelineModel(LanguageHead, nn.Module):
 
         return payload, commit
 
+    def _rank_of(self, layer: int) -> int:
+        return next(r for r, mine in enumerate(self._link.ranges) if layer in mine)
+
+    def fetch(self, wanted: list[Wanted]) -> list[mx.array]:
+        """Copies of the arrays `wanted` names, from the followers holding them (to write a
+        state file: see the module docstring). The followers answer along the ring, rank N-1's
+        arrays first; each one's in the order asked."""
+        order = sorted(range(len(wanted)), key=lambda j: -self._rank_of(wanted[j].layer))
+        payload = _releases() + [len(wanted)] + [x for w in wanted for x in w.wire()]
+        with self._link.lock:
+            self._check()
+            with self._link.wait("asking the followers for cache states"):
+                self._link.send_message(OP_FETCH, next(self._seq), payload)
+            with self._link.wait(f"for {len(wanted)} cache arrays from the followers"):
+                meta, buf = self._link.recv_packed()
+        arrays = unpack(meta, buf)
+        if len(arrays) != len(wanted):
+            raise ShardError(f"asked the followers for {len(wanted)} arrays, got {len(arrays)}")
+        out: list = [None] * len(wanted)
+        for j, a in zip(order, arrays):
+            out[j] = a
+        mx.eval(out)
+        return out
+
+    def upload(self, upload: Upload) -> None:
+        """Send a state's arrays to the followers, under the handles `upload` made."""
+        if not upload.items:
+            return
+        refs = [x for layer, kind, ref, _ in upload.items for x in (layer, kind, ref)]
+        meta, buf = pack([a for *_, a in upload.items])
+        mx.eval(buf)
+        payload = _releases() + [len(upload.items), *refs]
+        with self._link.lock:
+            self._check()
+            with self._link.wait(f"sending {buf.nbytes} bytes of cache states to the followers"):
+                self._link.send_message(OP_STORE, next(self._seq), payload)
+                self._link.send_packed(meta, buf)
+
     def ping(self) -> None:
         """An idle rank 0 tells the followers it lives (and what they may free)."""
         with self._link.lock:
@@ -482,6 +628,18 @@ def attach(engine) -> None:
 
     heartbeat(model, worker_of)
     atexit.register(_stop_at_exit, model, ref)
+    _exit_on_sigterm()
+
+
+def _exit_on_sigterm() -> None:
+    """Let SIGTERM end rank 0 as an exit does, so `_stop_at_exit` tells the followers to stop
+    (by default the signal kills the process at once: they would see a lost peer, exit 3).
+    `chatml serve` gets this too: uvicorn re-raises the signal into this handler once it has
+    shut down. A handler someone else installed is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda sig, frame: sys.exit(128 + sig))
 
 
 def _stop_at_exit(model: PipelineModel, ref) -> None:

@@ -660,9 +660,7 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 1
     folder = None
-    if shard:
-        print("chatml serve: no disk cache with --shard (not available yet)", flush=True)
-    elif not args.no_disk_cache:
+    if not args.no_disk_cache:
         from ..storage.disk_cache import DiskCacheBusy, FolderLock
 
         try:
@@ -696,7 +694,7 @@ def _serve(args, sock, folder, sampling, api_key, speculative, shard) -> int:
         except ValueError as e:
             print(f"chatml serve: error: {e}", file=sys.stderr)
             return 2
-        if folder is not None:
+        if folder is not None:  # with --shard, rank 0 gathers the entries (state_file)
             disk = eng.attach_disk(args.cache_dir, args.disk_cache_bytes, lock=folder)
         defaults = {**eng.sampling_defaults, **(sampling or {})}
         config = ServerConfig(

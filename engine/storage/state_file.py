@@ -6,6 +6,10 @@ caches, and the recurrent arrays of a few snapshots); `CapturedState.encode` ser
 weights (fingerprint) and dtype, the token ids the caller expects (`state_key`), a
 whole-content checksum, and layers and positions that fit the model. Anything else raises
 `StateError`: the caller then rebuilds from its log, never trusting a damaged or stale state.
+
+A pipeline's rank 0 (runtime/shard.py) writes and reads the same file: the followers' layers
+are gathered into it (`PipelineModel.fetch`) and sent back out of it (`PipelineModel.upload`),
+so a file holds every layer whichever split wrote it, and resumes under any split or none.
 """
 
 from __future__ import annotations
@@ -20,6 +24,16 @@ import numpy as np
 
 from ..runtime.cache import KVCache, MTPCache, RecurrentCache
 from ..runtime.generate import cache_arrays
+from ..runtime.shard import (
+    HANDLE,
+    KEYS,
+    VALUES,
+    RemoteArray,
+    RemoteKVCache,
+    RemoteRecurrentCache,
+    Upload,
+    Wanted,
+)
 from ..runtime.snapshot import Snapshot
 
 FORMAT = "chatml-session"
@@ -87,52 +101,63 @@ def capture_state(seq, engine, pos: int | None = None) -> CapturedState:
 
     With `pos` (a snapshot position, or the live end): only the prefix of `pos` tokens, with
     no snapshots: its KV rows below `pos` (still valid, see runtime.snapshot) and the
-    snapshot's recurrent state. That is one entry of the server's disk cache.
+    snapshot's recurrent state. That is one entry of the server's disk cache. A pipeline's
+    remote layers are fetched from their ranks, all in one exchange.
     """
-    if getattr(engine, "sharded", False):  # the other ranks hold most of the state
-        raise StateError("saving a cache state is not available with shard='pipeline' yet")
     prefix = None
     if pos is not None and pos != len(seq.tokens):
         prefix = seq.snapshots[pos].layers
     tokens = seq.tokens if pos is None else seq.prefix(pos)
-    tensors: dict[str, np.ndarray] = {"tokens": np.asarray(tokens, dtype=np.int32)}
-    views: dict[str, str] = {}
+    found: dict[str, mx.array | Wanted] = {}  # tensor name -> array, or what a follower holds
 
-    def put(name: str, a: mx.array | None) -> None:
+    def put(name: str, layer: int, a) -> None:
         if a is not None:
-            tensors[name], view = _to_numpy(a)
-            if view:
-                views[name] = view
+            found[name] = Wanted(layer, HANDLE, a) if isinstance(a, RemoteArray) else a
 
     kinds, offsets = [], []
     for i, c in enumerate(seq.caches):
-        if isinstance(c, KVCache):
+        if isinstance(c, RemoteKVCache):
+            kinds.append("kv")
+            offsets.append(len(tokens))
+            if c.capacity:  # as c.state is not None for a KVCache that held rows
+                found[f"kv.{i}.keys"] = Wanted(i, KEYS, c, len(tokens))
+                found[f"kv.{i}.values"] = Wanted(i, VALUES, c, len(tokens))
+        elif isinstance(c, KVCache):
             kinds.append("kv")
             offsets.append(len(tokens))
             if c.state is not None:
-                put(f"kv.{i}.keys", c.state[0][:, :, : len(tokens)])
-                put(f"kv.{i}.values", c.state[1][:, :, : len(tokens)])
+                put(f"kv.{i}.keys", i, c.state[0][:, :, : len(tokens)])
+                put(f"kv.{i}.values", i, c.state[1][:, :, : len(tokens)])
         elif isinstance(c, MTPCache):  # the MTP head's rows (one fewer) and hidden state
             kinds.append("mtp")
             offsets.append(len(tokens))
             rows = max(len(tokens) - 1, 0)
             if c.rows is not None and rows:
-                put(f"mtp.{i}.keys", c.rows[0][:, :, :rows])
-                put(f"mtp.{i}.values", c.rows[1][:, :, :rows])
-            put(f"mtp.{i}.state", c.state if prefix is None else prefix[i][1])
+                put(f"mtp.{i}.keys", i, c.rows[0][:, :, :rows])
+                put(f"mtp.{i}.values", i, c.rows[1][:, :, :rows])
+            put(f"mtp.{i}.state", i, c.state if prefix is None else prefix[i][1])
         else:
             kinds.append("rec")
             conv, state, offset = (c.conv, c.state, c.offset) if prefix is None else prefix[i]
             offsets.append(offset)
-            put(f"rec.{i}.conv", conv)
-            put(f"rec.{i}.state", state)
+            put(f"rec.{i}.conv", i, conv)
+            put(f"rec.{i}.state", i, state)
     positions = sorted(p for p in seq.snapshots if 0 < p <= len(seq.tokens))
     positions = sorted(set(positions[:1] + positions[-SNAPSHOTS_KEPT:])) if pos is None else []
     for p in positions:
         for i, layer in enumerate(seq.snapshots[p].layers):
             if layer is not None:
-                put(f"snap.{p}.{i}.conv", layer[0])
-                put(f"snap.{p}.{i}.state", layer[1])
+                put(f"snap.{p}.{i}.conv", i, layer[0])
+                put(f"snap.{p}.{i}.state", i, layer[1])
+    remote = [name for name, a in found.items() if isinstance(a, Wanted)]
+    if remote:
+        found.update(zip(remote, engine.model.fetch([found[name] for name in remote])))
+    tensors: dict[str, np.ndarray] = {"tokens": np.asarray(tokens, dtype=np.int32)}
+    views: dict[str, str] = {}
+    for name, a in found.items():
+        tensors[name], view = _to_numpy(a)
+        if view:
+            views[name] = view
     meta = {
         "format": FORMAT,
         "version": str(VERSION),
@@ -216,12 +241,21 @@ def _rebuild(tensors: dict[str, np.ndarray], meta: dict, engine, expected_key: s
     def get(name: str) -> mx.array | None:
         return _to_mlx(tensors[name], views.get(name)) if name in tensors else None
 
+    remote = Upload()  # a pipeline's remote layers: sent to their ranks once all is checked
+
+    def place(i: int, a: mx.array | None):
+        """A recurrent array of layer i as its cache holds it: here, or a follower's handle."""
+        return remote.handle(i, a) if isinstance(caches[i], RemoteRecurrentCache) else a
+
     for i, c in enumerate(caches):
         if isinstance(c, KVCache):
             k, v = get(f"kv.{i}.keys"), get(f"kv.{i}.values")
             if k is None or v is None or k.shape[2] != n or v.shape[2] != n:
                 raise StateError(f"layer {i}: KV cache does not hold {n} positions")
-            c.load_state(k, v)
+            if isinstance(c, RemoteKVCache):
+                remote.kv(i, c, k, v)
+            else:
+                c.load_state(k, v)
         elif isinstance(c, MTPCache):
             k, v, st = get(f"mtp.{i}.keys"), get(f"mtp.{i}.values"), get(f"mtp.{i}.state")
             rows = k.shape[2] if k is not None and v is not None else 0
@@ -232,7 +266,7 @@ def _rebuild(tensors: dict[str, np.ndarray], meta: dict, engine, expected_key: s
             conv, st = get(f"rec.{i}.conv"), get(f"rec.{i}.state")
             if st is None:
                 raise StateError(f"layer {i}: recurrent state missing")
-            c.load_state(conv, st, n)
+            c.load_state(place(i, conv), place(i, st), n)
     snapshots = {}
     for p in positions:
         if not isinstance(p, int) or not 0 < p <= n:
@@ -243,13 +277,15 @@ def _rebuild(tensors: dict[str, np.ndarray], meta: dict, engine, expected_key: s
                 conv, st = get(f"snap.{p}.{i}.conv"), get(f"snap.{p}.{i}.state")
                 if st is None:
                     raise StateError(f"snapshot {p}, layer {i}: recurrent state missing")
-                layers.append((conv, st, p))
                 nbytes += sum(a.nbytes for a in (conv, st) if a is not None)
+                layers.append((place(i, conv), place(i, st), p))
             else:
                 layers.append(None)
         snapshots[p] = Snapshot(p, layers, nbytes)
     # Evaluated here, on the thread that made them (the bfloat16 `.view`s and KV writes are
     # lazy): a lazy array fails when another thread's stream evaluates it.
     arrays = [a for s in snapshots.values() for layer in s.layers if layer for a in layer[:2]]
-    mx.eval([a for a in cache_arrays(caches) + arrays if a is not None])
+    mx.eval([a for a in cache_arrays(caches) + arrays if isinstance(a, mx.array)])
+    if remote.items:
+        engine.model.upload(remote)
     return tokens, caches, snapshots
