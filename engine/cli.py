@@ -106,6 +106,21 @@ def dense_path() -> str:
     return f"BLAS sgemm (slower for {lo}-{hi} rows: {got.reason})"
 
 
+def delta_path() -> str:
+    """Which path the Gated DeltaNet update of decode steps (a few tokens) takes, in words."""
+    from kernels import native
+    from kernels.delta_rule import MIN_CHUNKED_T
+
+    from .engine import backend
+
+    if backend() != "cpu":
+        return "MLX ops, compiled (GPU)"
+    got = native.info()
+    if got.active:
+        return f"native fused update for 1-{MIN_CHUNKED_T - 1} tokens ({got.isa})"
+    return f"MLX ops, compiled (no fused update: {got.reason})"
+
+
 def _build_kernels(args) -> int:
     import time
 
@@ -152,6 +167,7 @@ def _doctor(args) -> int:
         "blas_note": info.reason,
         "quantized_cpu_path": native_path(),
         "float32_batch_path": dense_path(),
+        "delta_decode_path": delta_path(),
         "matmul_gflops_f32": round(blas.measure_gflops(), 1),
         "chatml_home": str(chatml_home()),  # built models, the tokenizer, sessions
     }

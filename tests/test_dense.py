@@ -176,13 +176,19 @@ def test_doctor_names_the_float32_batch_path(mod, capsys, monkeypatch):
 
     monkeypatch.setattr(blas, "measure_gflops", lambda: 1.0)  # the report, not the speed
     assert main(["doctor", "--json"]) == 0
-    path = json.loads(capsys.readouterr().out)["float32_batch_path"]
+    report = json.loads(capsys.readouterr().out)
     lo, hi = native.DENSE_ROWS
-    assert path.startswith(f"native GEMV for {lo}-{hi} rows ({native.info().isa})")
+    isa = native.info().isa
+    assert report["float32_batch_path"].startswith(f"native GEMV for {lo}-{hi} rows ({isa})")
+    assert report["delta_decode_path"].startswith("native fused update for 1-")
     monkeypatch.setenv("CHATML_NATIVE", "0")
     native.reset()
     assert main(["doctor", "--json"]) == 0
-    path = json.loads(capsys.readouterr().out)["float32_batch_path"]
+    report = json.loads(capsys.readouterr().out)
+    path = report["float32_batch_path"]
     assert path == f"BLAS sgemm (slower for {lo}-{hi} rows: disabled by CHATML_NATIVE=0)"
+    assert report["delta_decode_path"] == (
+        "MLX ops, compiled (no fused update: disabled by CHATML_NATIVE=0)"
+    )
     monkeypatch.undo()
     native.reset()
