@@ -634,8 +634,9 @@ def attach(engine) -> None:
 def _exit_on_sigterm() -> None:
     """Let SIGTERM end rank 0 as an exit does, so `_stop_at_exit` tells the followers to stop
     (by default the signal kills the process at once: they would see a lost peer, exit 3).
-    `chatml serve` gets this too: uvicorn re-raises the signal into this handler once it has
-    shut down. A handler someone else installed is left alone."""
+    `chatml serve` installs its own handler around uvicorn (`serving.server._stop_signals`),
+    which returns normally after closing the engine: a handler someone else installed is left
+    alone, so this one covers the other entry points (`chatml chat`, the Python API)."""
     if threading.current_thread() is not threading.main_thread():
         return
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
