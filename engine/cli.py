@@ -121,6 +121,20 @@ def delta_path() -> str:
     return f"MLX ops, compiled (no fused update: {got.reason})"
 
 
+def activation_path() -> str:
+    """Which path the float32 gates (silu, sigmoid, the conv's silu) take, in words."""
+    from kernels import native
+
+    from .engine import backend
+
+    if backend() != "cpu":
+        return "MLX ops (GPU)"
+    got = native.info()
+    if got.active:
+        return f"native vectorized pass ({got.isa})"
+    return f"MLX ops (scalar exp on x86: {got.reason})"
+
+
 def _build_kernels(args) -> int:
     import time
 
@@ -168,6 +182,7 @@ def _doctor(args) -> int:
         "quantized_cpu_path": native_path(),
         "float32_batch_path": dense_path(),
         "delta_decode_path": delta_path(),
+        "activation_path": activation_path(),
         "matmul_gflops_f32": round(blas.measure_gflops(), 1),
         "chatml_home": str(chatml_home()),  # built models, the tokenizer, sessions
     }

@@ -374,7 +374,9 @@ def _load(model, *, dtype, chunked_delta, cache_bytes, quantize, speculative, sp
         warnings.warn(warning, stacklevel=2)
     if wired:
         mx.set_wired_limit(wired)
-    arch, model_options = ckpt.entry.arch, ModelOptions(chunked_delta=chunked_delta)
+    arch = ckpt.entry.arch
+    model_options = ModelOptions(chunked_delta=chunked_delta,
+                                 native_activations=cpu and name == "float32" and _native_cpu())  # fmt: skip
     if link is None:
         net = Qwen35(arch, model_options, mtp=mtp)
     elif link.rank == 0:
@@ -387,15 +389,10 @@ def _load(model, *, dtype, chunked_delta, cache_bytes, quantize, speculative, sp
     if quantize:
         quantize_model(net, quantize)
     if cpu and (quantize or (ckpt.quantization and not dequantize)):
-        from kernels import native
-
-        native.module()  # build (once, into CHATML_HOME) or report the fallback now, not mid-turn
+        _native_cpu()  # build (once, into CHATML_HOME) or report the fallback now, not mid-turn
         use_cpu_kernels(net)
-    if cpu and name == "float32":
-        from kernels import native
-
-        if native.module() is not None:  # batched decode: float32 products of 2-32 rows
-            use_dense_kernels(net)
+    if cpu and name == "float32" and _native_cpu():  # float32 products of 2-32 rows
+        use_dense_kernels(net)
     if link is not None:
         sharding.ready(link)
         if link.rank != 0:
@@ -414,6 +411,14 @@ def _load(model, *, dtype, chunked_delta, cache_bytes, quantize, speculative, sp
     if link is not None:
         sharding.attach(eng)
     return eng
+
+
+def _native_cpu() -> bool:
+    """Whether the native CPU kernels (kernels.native) run: built on first call (once, into
+    CHATML_HOME), or one line on stderr says why MLX's ops run instead."""
+    from kernels import native
+
+    return native.module() is not None
 
 
 SPECULATIVE = ("lookup", "mtp", "draft:NAME")

@@ -7,7 +7,9 @@ through ``kernels/native/dense.cpp``: OpenBLAS's sgemm reads the weights of so f
 quarter of sgemv's speed, the native kernel reads them once for all rows. The Gated DeltaNet
 update of a few tokens (decode, verify, short segments) runs as ``kernels/native/delta.cpp``:
 one pass over each state row where MLX's ops make about four over the whole state (see
-``kernels.delta_rule.gated_delta_rows``). They are compiled with CMake against MLX's exported package and
+``kernels.delta_rule.gated_delta_rows``). The gates of a prefill (silu, sigmoid, the conv's silu)
+run as ``kernels/native/activations.cpp``: MLX's CPU exp is scalar on x86 (see
+``kernels.activations``). They are compiled with CMake against MLX's exported package and
 nanobind into ``CHATML_HOME/kernels/<key>/``, keyed by MLX version, nanobind version, Python,
 machine and a hash of the sources, so an MLX upgrade rebuilds instead of loading a module
 built for another ABI. ``chatml build-kernels`` builds it explicitly.
@@ -214,7 +216,7 @@ def _load() -> tuple[ModuleType | None, NativeInfo]:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         print(
             f"chatml: native CPU kernels unavailable ({reason}); quantized and batched float32 "
-            "matmuls and the Gated DeltaNet decode update use MLX's slower ops (`chatml doctor` explains, `chatml build-kernels` "
+            "matmuls, the Gated DeltaNet decode update and the gates use MLX's slower ops (`chatml doctor` explains, `chatml build-kernels` "
             "retries)",
             file=sys.stderr,
         )

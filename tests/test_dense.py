@@ -181,6 +181,7 @@ def test_doctor_names_the_float32_batch_path(mod, capsys, monkeypatch):
     isa = native.info().isa
     assert report["float32_batch_path"].startswith(f"native GEMV for {lo}-{hi} rows ({isa})")
     assert report["delta_decode_path"].startswith("native fused update for 1-")
+    assert report["activation_path"] == f"native vectorized pass ({isa})"
     monkeypatch.setenv("CHATML_NATIVE", "0")
     native.reset()
     assert main(["doctor", "--json"]) == 0
@@ -190,5 +191,6 @@ def test_doctor_names_the_float32_batch_path(mod, capsys, monkeypatch):
     assert report["delta_decode_path"] == (
         "MLX ops, compiled (no fused update: disabled by CHATML_NATIVE=0)"
     )
+    assert report["activation_path"] == "MLX ops (scalar exp on x86: disabled by CHATML_NATIVE=0)"
     monkeypatch.undo()
     native.reset()

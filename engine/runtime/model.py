@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kernels import gated_delta, gated_delta_rows
+from kernels.activations import conv_silu, mul_sigmoid, silu_mul
 
 from ..checkpoints.registry import Architecture
 from .cache import KVCache, MTPCache, RecurrentCache
@@ -26,6 +27,9 @@ from .cache import KVCache, MTPCache, RecurrentCache
 class ModelOptions:
     # False: always mx.fast.gated_delta_update (the sequential reference), whatever the device.
     chunked_delta: bool = True  # True: kernels.choice picks the gated delta path
+    # True: the gates (silu, sigmoid, the conv's silu) take kernels.native's vectorized CPU
+    # pass for float32 (kernels.activations); MLX's ops otherwise (GPUs, training).
+    native_activations: bool = False
 
 
 def _rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
@@ -71,14 +75,8 @@ class GatedDeltaNet(nn.Module):
         else:
             tail = cache.conv
         window = mx.concatenate([tail, qkv], axis=1)  # [B, K-1+T, C]
-        # Depthwise causal conv as K shifted multiply-adds (cheaper than a grouped conv on
-        # CPU), summed in float32 and rounded once, as mlx-lm's nn.Conv1d does in half precision.
-        f32 = mx.float32
-        w = self.conv_weight.astype(f32)
-        conv = window[:, 0:T].astype(f32) * w[:, 0]
-        for j in range(1, self.kernel):
-            conv = conv + window[:, j : j + T].astype(f32) * w[:, j]
-        conv = nn.silu(conv.astype(qkv.dtype))
+        native = self.options.native_activations
+        conv = conv_silu(window, self.conv_weight, native=native)  # [B, T, C]
 
         kd = self.hk * self.dk
         q = conv[..., :kd].reshape(B, T, self.hk, self.dk)
@@ -92,6 +90,7 @@ class GatedDeltaNet(nn.Module):
         # g in float32 from a softplus in the compute dtype, rounded where mlx-lm rounds it.
         a = self.in_proj_a(x)
         beta = mx.sigmoid(self.in_proj_b(x))  # [B, T, Hv]
+        f32 = mx.float32
         g = mx.exp(-mx.exp(self.A_log.astype(f32)) * nn.softplus(a + self.dt_bias))  # [B, T, Hv]
 
         state = cache.state
@@ -111,7 +110,7 @@ class GatedDeltaNet(nn.Module):
 
         z = self.in_proj_z(x).reshape(B, T, self.hv, self.dv)
         y = _rms_norm(y, self.norm.weight, self.eps)
-        y = (nn.silu(z.astype(mx.float32)) * y.astype(mx.float32)).astype(x.dtype)
+        y = silu_mul(z.astype(f32), y.astype(f32), native=native).astype(x.dtype)
         return self.out_proj(y.reshape(B, T, -1))
 
     def decode(self, x: mx.array, tail: mx.array, states: list[mx.array]):
@@ -123,8 +122,8 @@ class GatedDeltaNet(nn.Module):
         f32 = mx.float32
         qkv = self.in_proj_qkv(x)  # [B, C]
         window = mx.concatenate([tail, qkv[:, None]], axis=1)  # [B, K, C]
-        conv = (window.astype(f32) * self.conv_weight.T.astype(f32)).sum(axis=1)
-        conv = nn.silu(conv.astype(qkv.dtype))
+        native = self.options.native_activations
+        conv = conv_silu(window, self.conv_weight, native=native)[:, 0]  # [B, C]
         kd = self.hk * self.dk
         q = conv[..., :kd].reshape(B, 1, self.hk, self.dk)
         k = conv[..., kd : 2 * kd].reshape(B, 1, self.hk, self.dk)
@@ -139,7 +138,7 @@ class GatedDeltaNet(nn.Module):
         y, states = gated_delta_rows(q, k, v, g, beta, states, method=method)
         z = self.in_proj_z(x).reshape(B, 1, self.hv, self.dv)
         y = _rms_norm(y, self.norm.weight, self.eps)
-        y = (nn.silu(z.astype(f32)) * y.astype(f32)).astype(x.dtype)
+        y = silu_mul(z.astype(f32), y.astype(f32), native=native).astype(x.dtype)
         return self.out_proj(y.reshape(B, -1)), mx.contiguous(window[:, 1:]), states
 
     def _delta(self, q, k, v, g, beta, state, start: int, end: int):
@@ -171,8 +170,9 @@ def _rotate(x: mx.array, dims: int, cos: mx.array, sin: mx.array) -> mx.array:
 class Attention(nn.Module):
     """Grouped-query softmax attention with q/k norms, partial RoPE and a sigmoid output gate."""
 
-    def __init__(self, a: Architecture):
+    def __init__(self, a: Architecture, native: bool = False):
         super().__init__()
+        self.native = native  # ModelOptions.native_activations
         self.nq, self.nkv, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.rotary = int(a.head_dim * a.partial_rotary_factor)
         self.theta = a.rope_theta
@@ -239,31 +239,32 @@ class Attention(nn.Module):
         return y.transpose(0, 2, 1, 3).reshape(B, T, -1)
 
     def output(self, y: mx.array, gate: mx.array) -> mx.array:
-        return self.o_proj(y * mx.sigmoid(gate))
+        return self.o_proj(mul_sigmoid(y, gate, native=self.native))
 
 
 class MLP(nn.Module):
-    def __init__(self, dims: int, hidden: int):
+    def __init__(self, dims: int, hidden: int, native: bool = False):
         super().__init__()
+        self.native = native  # ModelOptions.native_activations
         self.gate_proj = nn.Linear(dims, hidden, bias=False)
         self.up_proj = nn.Linear(dims, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), native=self.native))
 
 
 class SparseMoE(nn.Module):
     """Top-k routed experts plus one always-on shared expert (Qwen3.5-35B-A3B)."""
 
-    def __init__(self, a: Architecture):
+    def __init__(self, a: Architecture, native: bool = False):
         super().__init__()
         from mlx_lm.models.switch_layers import SwitchGLU
 
         self.top_k = a.num_experts_per_tok
         self.gate = nn.Linear(a.hidden_size, a.num_experts, bias=False)
         self.switch_mlp = SwitchGLU(a.hidden_size, a.moe_intermediate_size, a.num_experts)
-        self.shared_expert = MLP(a.hidden_size, a.shared_expert_intermediate_size)
+        self.shared_expert = MLP(a.hidden_size, a.shared_expert_intermediate_size, native)
         self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -284,10 +285,12 @@ class DecoderLayer(nn.Module):
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(a, options)
         else:
-            self.self_attn = Attention(a)
+            self.self_attn = Attention(a, options.native_activations)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.mlp = SparseMoE(a) if a.is_moe else MLP(a.hidden_size, a.intermediate_size)
+        native = options.native_activations
+        self.mlp = (SparseMoE(a, native) if a.is_moe
+                    else MLP(a.hidden_size, a.intermediate_size, native))  # fmt: skip
         self._steps = None  # the compiled decode step, made at first use (see _decode)
 
     def __call__(self, x: mx.array, cache) -> mx.array:

@@ -502,6 +502,7 @@ array dequantize(const array& w, const array& scales, const array& biases, int g
 
 void bind_dense(nb::module_& m);  // dense.cpp: the float32 few-row GEMV
 void bind_delta(nb::module_& m);  // delta.cpp: the gated delta rule, one pass per state row
+void bind_activations(nb::module_& m);  // activations.cpp: vectorized silu/sigmoid, conv + silu
 
 }  // namespace chatml
 
@@ -519,4 +520,5 @@ NB_MODULE(_chatml_qgemv, m) {
         "The MLX version this module was compiled against.");
   chatml::bind_dense(m);
   chatml::bind_delta(m);
+  chatml::bind_activations(m);
 }

@@ -1,0 +1,64 @@
+"""The model's elementwise gates: MLX's ops, or one vectorized native pass on the CPU.
+
+MLX's CPU backend computes ``exp`` one float at a time on x86 (about 80 M/s, against several
+G/s for a multiply), and a prefill computes hundreds of millions of them: silu over the Gated
+DeltaNet's conv outputs and the MLPs, the attention's sigmoid gate. A 512-token prefill of
+the 0.8B build spent about a third of its time there (``perf``, BENCHMARKS.md). With
+``native=True`` and the native module built (``kernels.native``), float32 arrays take
+``kernels/native/activations.cpp``: a vectorized exp (within ~2 ulp), the product fused into
+the same pass, large arrays split over the kernels' thread pool. Anything else (another
+dtype, ``native=False``: GPUs, training, which needs gradients) runs MLX's ops.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import native as _native
+
+__all__ = ["conv_silu", "mul_sigmoid", "silu_mul"]
+
+
+def _module(native: bool, *arrays: mx.array):
+    """The native module when `native` and every array is float32 of the first's shape."""
+    if not native or any(a.dtype != mx.float32 or a.shape != arrays[0].shape for a in arrays):
+        return None
+    return _native.module()
+
+
+def silu_mul(a: mx.array, b: mx.array, *, native: bool = False) -> mx.array:
+    """``silu(a) * b``: the MLP's gate, the Gated DeltaNet's output gate."""
+    mod = _module(native, a, b)
+    return mod.silu_mul(a, b) if mod is not None else nn.silu(a) * b
+
+
+def mul_sigmoid(y: mx.array, g: mx.array, *, native: bool = False) -> mx.array:
+    """``y * sigmoid(g)``: the gated attention's output gate."""
+    mod = _module(native, y, g)
+    return mod.mul_sigmoid(y, g) if mod is not None else y * mx.sigmoid(g)
+
+
+def conv_silu(window: mx.array, weight: mx.array, *, native: bool = False) -> mx.array:
+    """``silu`` of the Gated DeltaNet's causal depthwise conv: ``window [B, K-1+T, C]`` (the
+    conv tail, then T inputs) and ``weight [C, K]`` give ``[B, T, C]``.
+
+    The sum over the K taps is in float32, rounded once to the window's dtype (as mlx-lm's
+    ``nn.Conv1d`` rounds in half precision). MLX's ops: for one token a broadcast multiply and
+    a sum (few graph nodes); for more, K shifted multiply-adds in tap order (cheaper than a
+    grouped conv on the CPU), the order the native pass sums in too.
+    """
+    mod = _module(native, window) if weight.dtype == mx.float32 else None
+    if mod is not None:
+        return mod.conv_silu(window, weight)
+    f32 = mx.float32
+    K = weight.shape[1]
+    T = window.shape[1] - K + 1
+    if T == 1:
+        conv = (window.astype(f32) * weight.T.astype(f32)).sum(axis=1, keepdims=True)
+    else:
+        w = weight.astype(f32)
+        conv = window[:, 0:T].astype(f32) * w[:, 0]
+        for j in range(1, K):
+            conv = conv + window[:, j : j + T].astype(f32) * w[:, j]
+    return nn.silu(conv.astype(window.dtype))

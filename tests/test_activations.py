@@ -1,0 +1,154 @@
+"""The vectorized gates (kernels/native/activations.cpp through kernels.activations) against a
+float64 numpy reference, on awkward inputs, and in the model against MLX's ops.
+
+Tolerance: 1e-6 relative per element (the kernel's exp is within ~2 ulp, so silu and sigmoid
+land within a few float32 ulps, ~1e-7; 1e-6 leaves room without hiding a wrong polynomial,
+which is off by 1e-4 or more). The conv sums K products in float32 in tap order, as MLX's
+ops do: its tolerance is float32 rounding of the sum of magnitudes.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kernels import activations, native
+
+REL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def mod():
+    m = native.module()
+    assert m is not None, native.info().reason  # a compiler is present in CI: it must build
+    return m
+
+
+def sigmoid64(x):
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
+
+
+def f64(a: mx.array) -> np.ndarray:
+    return np.array(a).astype(np.float64)
+
+
+def close(got: mx.array, ref: np.ndarray, rel: float = REL) -> None:
+    g = f64(got)
+    assert g.shape == ref.shape
+    finite = np.isfinite(ref)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(ref))
+    np.testing.assert_array_equal(g[~finite & ~np.isnan(ref)], ref[~finite & ~np.isnan(ref)])
+    # below float32's normal range (1.2e-38) results may flush to 0, as MLX's do
+    err = np.abs(g[finite] - ref[finite])
+    assert (err <= rel * np.abs(ref[finite]) + 1e-37).all(), f"max error {err.max():.2e}"
+
+
+# 1 and 15 floats: shorter than a vector; 4099: a tail after whole vectors; 100003: split
+# over the thread pool with a ragged last part
+@pytest.mark.parametrize("n", [1, 15, 4099, 100003])
+def test_gates_match_float64(mod, n):
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * 8).astype(np.float32)
+    y = rng.standard_normal(n).astype(np.float32)
+    xd, yd = x.astype(np.float64), y.astype(np.float64)
+    a, b = mx.array(x), mx.array(y)
+    close(activations.silu_mul(a, b, native=True), xd * sigmoid64(xd) * yd)
+    close(activations.mul_sigmoid(b, a, native=True), yd * sigmoid64(xd))
+    close(mod.silu(a), xd * sigmoid64(xd))
+
+
+def test_extremes(mod):
+    """exp's range ends: underflow to 0 below -87.3, overflow to inf above 88.7 (so sigmoid
+    saturates at 0 and 1), infinities and NaN as float math has them."""
+    x = np.array([0.0, -87.0, -87.4, -88.0, -100.0, -1e30, 88.0, 88.8, 100.0, 1e30,
+                  np.inf, -np.inf, np.nan, 1e-30, -1e-30, 20.0], dtype=np.float32)  # fmt: skip
+    xd = x.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        ref_silu = xd * sigmoid64(xd)
+    ref_silu[np.isneginf(xd)] = np.nan  # -inf * 0
+    close(mod.silu(mx.array(x)), ref_silu)
+    ones = mx.ones(x.shape)
+    close(activations.mul_sigmoid(ones, mx.array(x), native=True), sigmoid64(xd))
+
+
+def test_views_and_inputs_left_alone(mod):
+    """Transposed and sliced inputs read right; an input still referenced afterwards is not
+    overwritten (the kernel writes in place only over arrays nobody else holds)."""
+    a = mx.random.normal((64, 48), key=mx.random.key(1))
+    b = mx.random.normal((48, 64), key=mx.random.key(2))
+    at, bt = a.T, b[:, ::-1]  # [48, 64] views: transposed, reversed columns
+    before = np.array(at)
+    got = activations.silu_mul(at, bt, native=True)
+    ref = f64(at) * sigmoid64(f64(at)) * f64(bt)
+    close(got, ref)
+    np.testing.assert_array_equal(np.array(at), before)
+    # a lazy input nobody else holds (donated): same values
+    close(activations.mul_sigmoid(a * 2, b.T, native=True), f64(a) * 2 * sigmoid64(f64(b.T)))
+
+
+@pytest.mark.parametrize(
+    "B,T,C,K", [(1, 1, 6144, 4), (2, 5, 37, 4), (1, 100, 1030, 4), (3, 7, 16, 2)]
+)
+def test_conv_silu_matches_float64(mod, B, T, C, K):
+    key = mx.random.key(T * C)
+    window = mx.random.normal((B, K - 1 + T, C), key=key)
+    weight = mx.random.normal((C, K), key=mx.random.key(K))
+    w, x = f64(weight), f64(window)
+    conv = sum(x[:, j : j + T] * w[:, j] for j in range(K))
+    mag = sum(np.abs(x[:, j : j + T] * w[:, j]) for j in range(K))
+    ref = conv * sigmoid64(conv)
+    got = f64(activations.conv_silu(window, weight, native=True))
+    assert got.shape == (B, T, C)
+    # silu'(s) <= 1.1: the conv's float32 rounding (a few ulps of `mag`) carries through
+    assert (np.abs(got - ref) <= 1e-6 * mag + REL * np.abs(ref)).all()
+    mlx_ops = f64(activations.conv_silu(window, weight, native=False))
+    assert (np.abs(got - mlx_ops) <= 2e-6 * mag + 2 * REL * np.abs(ref)).all()
+
+
+def test_other_dtypes_and_shapes_take_mlx_ops(mod):
+    """bfloat16, broadcasting shapes and native=False give MLX's own ops, bit for bit."""
+    a = mx.random.normal((4, 32), key=mx.random.key(3))
+    b = mx.random.normal((32,), key=mx.random.key(4))
+    assert mx.array_equal(activations.mul_sigmoid(a, b, native=True), a * mx.sigmoid(b))
+    h = a.astype(mx.bfloat16)
+    out = activations.silu_mul(h, h, native=True)
+    assert out.dtype == mx.bfloat16
+    assert mx.array_equal(out, mx.sigmoid(h) * h * h)
+    assert mx.array_equal(activations.silu_mul(a, a, native=False), mx.sigmoid(a) * a * a)
+    window = mx.random.normal((1, 8, 32), key=mx.random.key(5)).astype(mx.bfloat16)
+    weight = mx.random.normal((32, 4), key=mx.random.key(6))
+    assert activations.conv_silu(window, weight, native=True).dtype == mx.bfloat16
+    assert mx.array_equal(activations.conv_silu(window, weight, native=True),
+                          activations.conv_silu(window, weight, native=False))  # fmt: skip
+
+
+def test_bad_input_is_named(mod):
+    with pytest.raises(ValueError, match="float32"):
+        mod.silu_mul(mx.ones((2,), dtype=mx.float16), mx.ones((2,), dtype=mx.float16))
+    with pytest.raises(ValueError, match="one shape"):
+        mod.mul_sigmoid(mx.ones((2, 3)), mx.ones((3,)))
+    with pytest.raises(ValueError, match=r"window \[B, K-1\+T, C\]"):
+        mod.conv_silu(mx.ones((1, 2, 8)), mx.ones((8, 4)))
+
+
+def test_model_logits_match_mlx_ops(tiny):
+    """tiny with the native gates against the same weights on MLX's ops: a 40-token prefill
+    (the chunked path), then decode steps (the compiled one-token path)."""
+    from engine.runtime.generate import prefill
+    from engine.runtime.model import ModelOptions, Qwen35
+
+    assert tiny.model.layers[0].linear_attn.options.native_activations  # CPU float32 default
+    plain = Qwen35(tiny.model.arch, ModelOptions(native_activations=False))
+    plain.update(tiny.model.parameters())
+    ids = list(range(3000, 3040))
+    outs = []
+    for net in (tiny.model, plain):
+        caches = net.make_caches()
+        logits, _ = prefill(net, caches, ids, 0)
+        steps = [logits]
+        for token in (11, 12, 13):
+            steps.append(net(mx.array([[token]]), caches)[0, -1])
+        outs.append(mx.stack(steps))
+    native_out, ops_out = (np.array(o) for o in outs)
+    assert np.abs(native_out - ops_out).max() <= 1e-4 * max(1.0, np.abs(ops_out).max())
+    assert (native_out.argmax(-1) == ops_out.argmax(-1)).all()
