@@ -19,7 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 # Thread settings that change CPU numbers; recorded, never set behind the user's back.
-THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MLX_NUM_THREADS", "CHATML_BLAS")
+THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MLX_NUM_THREADS", "CHATML_BLAS",
+               "CHATML_GEMV_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")  # fmt: skip
 
 
 def cpu_model() -> str:
@@ -77,6 +78,7 @@ def conditions(**extra) -> dict:
         "device": str(mx.default_device()),
         "blas": info.provider,
         "blas_library": info.library,
+        "blas_core": blas.core(),  # OpenBLAS's kernel set (OPENBLAS_CORETYPE can force one)
         "env": {k: os.environ[k] for k in THREAD_VARS if k in os.environ},
         "load_average": _load_average(),
     }

@@ -10,8 +10,15 @@ with ``convert_hf_to_gguf.py``, ``llama-bench`` and ``llama-quantize``. It is bu
 to GGUF (``--no-mtp``: both sides decode without the MTP head) in each format asked for,
 and then ``llama-bench -p 512 -n 64`` and this engine's throughput bench (the ``chatml``
 configuration of ``bench.throughput``: prefill of a 512-token prompt, 64 decoded tokens) run
-interleaved, ``--repeats`` times each, the best kept. The engine computes in float32, so it is
-compared with llama.cpp's F32 file; the other formats show what a llama.cpp user would pick.
+interleaved, ``--repeats`` times each, the best kept. Each llama.cpp format is paired with the
+engine at the matching precision: F32 with float32, Q8_0 with ``quantize=8`` and Q4_K_M with
+``quantize=4`` (MLX's affine layout, group 64; the engine's activations stay float32, as
+mlx-lm's do). The ratios in the table are the engine over its pair.
+
+llama.cpp picks its kernels for this CPU; so does OpenBLAS here: ``OPENBLAS_CORETYPE`` and
+``OPENBLAS_L2_SIZE``, which some machines set to pin older kernels (Haswell's AVX2 on an
+AVX-512 CPU halves sgemm), are dropped for the engine's runs, and the JSON records the kernel
+set OpenBLAS ran (``blas_core``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from bench.common import ROOT, child_env, conditions, model_path, write_json
 LLAMA_CPP_PYTHON = "0.3.36"  # its vendored llama.cpp is the peer (commit in its vendor tree)
 TARGETS = ("llama-bench", "llama-server", "llama-quantize")
 PROMPT, DECODE = 512, 64
+# llama.cpp format -> the engine's configuration at that precision (bench.throughput)
+PAIRS = {"f32": "chatml", "q8_0": "chatml_q8", "q4_k_m": "chatml_q4"}
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -88,19 +97,25 @@ def llama_bench(work: Path, path: Path, threads: int) -> dict:
     return {"prefill_tps": pp, "decode_tps": tg}
 
 
-def chatml(ckpt: Path, threads: int) -> dict:
+def chatml(ckpt: Path, threads: int, config: str = "chatml") -> dict:
     env = child_env("1")
     env["OPENBLAS_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, "-m", "bench.throughput", "--child", "chatml", "--model", str(ckpt),
+    for pinned in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
+        env.pop(pinned, None)
+    cmd = [sys.executable, "-m", "bench.throughput", "--child", config, "--model", str(ckpt),
            "--ts", str(PROMPT), "--decode", str(DECODE), "--repeats", "1"]  # fmt: skip
     res = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True)
     r = json.loads(res.stdout.strip().splitlines()[-1])
     return {"prefill_tps": r["prefill"][str(PROMPT)]["tokens_per_s"],
-            "decode_tps": r["decode"]["tokens_per_s"], "peak_rss_bytes": r["peak_rss_bytes"]}  # fmt: skip
+            "decode_tps": r["decode"]["tokens_per_s"], "peak_rss_bytes": r["peak_rss_bytes"],
+            "blas_core": r.get("blas_core", "")}  # fmt: skip
 
 
 def _best(runs: list[dict]) -> dict:
-    return {k: max(r[k] for r in runs) for k in ("prefill_tps", "decode_tps")}
+    best = {k: max(r[k] for r in runs) for k in ("prefill_tps", "decode_tps")}
+    if "peak_rss_bytes" in runs[0]:
+        best["peak_rss_bytes"] = min(r["peak_rss_bytes"] for r in runs)
+    return best
 
 
 def main() -> None:
@@ -124,18 +139,22 @@ def main() -> None:
     files = {fmt: gguf(src, work, ckpt, fmt) for fmt in a.formats.split(",") if fmt}
     if a.prepare_only:
         return
-    runs: dict[str, list[dict]] = {"chatml f32": []} | {f"llama.cpp {f}": [] for f in files}
-    for _ in range(a.repeats):  # interleaved, so both see the same machine
-        runs["chatml f32"].append(chatml(ckpt, a.threads))
+    runs: dict[str, list[dict]] = {}
+    for _ in range(a.repeats):  # interleaved, so both sides see the same machine
         for fmt, path in files.items():
-            runs[f"llama.cpp {fmt}"].append(llama_bench(work, path, a.threads))
+            if fmt in PAIRS:
+                runs.setdefault(f"chatml {fmt}", []).append(chatml(ckpt, a.threads, PAIRS[fmt]))
+            runs.setdefault(f"llama.cpp {fmt}", []).append(llama_bench(work, path, a.threads))
     best = {name: _best(r) for name, r in runs.items()}
-    ref = best.get("llama.cpp f32")
-    print(f"{'engine':<20}{'prefill 512':>14}{'decode':>10}{'vs llama.cpp f32':>22}")
+    print(f"{'engine, format':<22}{'prefill 512':>13}{'decode':>9}{'peak RSS':>10}"
+          f"{'vs llama.cpp, same format':>28}")  # fmt: skip
     for name, r in best.items():
+        engine_, fmt = name.split(" ", 1)
+        ref = best.get(f"llama.cpp {fmt}") if engine_ == "chatml" else None
         ratio = (f"{r['prefill_tps'] / ref['prefill_tps']:.2f}x / "
                  f"{r['decode_tps'] / ref['decode_tps']:.2f}x") if ref else "-"  # fmt: skip
-        print(f"{name:<20}{r['prefill_tps']:>14.1f}{r['decode_tps']:>10.2f}{ratio:>22}")
+        rss = f"{r['peak_rss_bytes'] / 2**30:.2f}G" if "peak_rss_bytes" in r else "-"
+        print(f"{name:<22}{r['prefill_tps']:>13.1f}{r['decode_tps']:>9.2f}{rss:>10}{ratio:>28}")
     result = {
         "conditions": conditions(model=a.model, checkpoint=str(ckpt), threads=a.threads,
                                  llama_cpp_python=LLAMA_CPP_PYTHON, prompt=PROMPT, decode=DECODE),

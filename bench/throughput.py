@@ -8,6 +8,9 @@ mlx is first imported, and so that peak memory is per configuration:
 
 - ``chatml``: this engine, fast BLAS, chunked gated delta kernel (``engine.runtime.generate.prefill``
   on fresh caches, then ``engine.runtime.generate.decode``);
+- ``chatml_q8``, ``chatml_q4``: this engine with the weights quantized at load
+  (``engine.load(quantize=8|4)``, group 64, MLX's affine layout: what an mlx-community
+  checkpoint holds), decoded by the native quantized GEMV; activations stay float32;
 - ``chatml_sequential``: this engine with fast BLAS but ``mx.fast.gated_delta_update``
   instead of the chunked kernel (where the kernel's share of the speedup shows);
 - ``mlx_lm``: mlx-lm's ``generate_step`` with this engine's fast BLAS loaded before mlx, but
@@ -20,7 +23,8 @@ mlx is first imported, and so that peak memory is per configuration:
 
 Prefill time is the time to the first token's logits (mlx-lm: to the first token of
 ``generate_step``); decode is tokens/s over ``--decode`` greedy tokens after a 512-token
-prompt, with no stop tokens. All compute is float32.
+prompt, with no stop tokens. All compute is float32 (the quantized configurations keep their
+weights compact and compute in float32).
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from pathlib import Path
 
 from bench.common import ROOT, child_env, write_json
 
-CONFIGS = ("chatml", "chatml_sequential", "chatml_sgemm", "mlx_lm", "mlx_lm_sgemm", "mlx_lm_stock")
+CONFIGS = ("chatml", "chatml_q8", "chatml_q4", "chatml_sequential", "chatml_sgemm", "mlx_lm",
+           "mlx_lm_sgemm", "mlx_lm_stock")  # fmt: skip
+QUANTIZE = {"chatml_q8": 8, "chatml_q4": 4}  # engine.load(quantize=) bits
 DECODE_PROMPT = 512
 
 
@@ -61,10 +67,12 @@ def child(config: str, path: str, ts: list[int], decode_n: int, repeats: int) ->
     out: dict = {"config": config, "mlx": mx.__version__, "prefill": {}, "decode": None,
                  "gemv": blas.info().fast and blas.gemv_enabled()}  # fmt: skip
     if config.startswith("chatml"):
-        run_prefill, run_decode, blas_name = _chatml(path, config != "chatml_sequential")
+        chunked = config != "chatml_sequential"
+        run_prefill, run_decode, blas_name = _chatml(path, chunked, QUANTIZE.get(config))
     else:
         run_prefill, run_decode, blas_name = _mlx_lm(path)
     out["blas"] = blas_name
+    out["blas_core"] = blas.core()
     run_prefill(_prompt(16))  # warm-up: first-call allocations and kernel setup
     for T in ts:
         ids = _prompt(T)
@@ -82,7 +90,7 @@ def child(config: str, path: str, ts: list[int], decode_n: int, repeats: int) ->
     return out
 
 
-def _chatml(path: str, chunked: bool):
+def _chatml(path: str, chunked: bool, quantize: int | None = None):
     import mlx.core as mx
 
     import engine
@@ -90,7 +98,7 @@ def _chatml(path: str, chunked: bool):
     from engine.runtime.sampling import Sampler, SamplingParams
     from kernels import blas
 
-    eng = engine.load(path, chunked_delta=chunked)
+    eng = engine.load(path, chunked_delta=chunked, quantize=quantize)
     mx.eval(eng.model.parameters())
 
     def run_prefill(ids: list[int]) -> float:

@@ -32,7 +32,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BlasInfo", "enable", "info", "measure_gflops"]
+__all__ = ["BlasInfo", "core", "enable", "info", "measure_gflops"]
 
 FIX_HINT = "pip install scipy-openblas32"
 # Everything libmlx imports from a CBLAS (checked with nm -D on mlx 0.32).
@@ -119,6 +119,21 @@ def _load(path: str, provider: str) -> BlasInfo:
         shim = forwarding_library(forwards, "libchatml_cblas.so", [soname], routines)
         _handles.append(_dlopen_bytes(shim, "libchatml_cblas.so"))
     return BlasInfo(library=path, provider=provider)
+
+
+def core() -> str:
+    """The kernel set OpenBLAS runs on this CPU (e.g. "SkylakeX", "Haswell"), or "" when the
+    BLAS loaded here is not OpenBLAS. OPENBLAS_CORETYPE forces one: some machines set it to
+    an older kernel (Haswell: AVX2), which halves float32 sgemm on an AVX-512 CPU."""
+    for lib in _handles:
+        for name in (_PREFIX + "openblas_get_corename", "openblas_get_corename"):
+            try:
+                fn = getattr(lib, name)
+            except AttributeError:
+                continue
+            fn.restype = ctypes.c_char_p
+            return (fn() or b"").decode().strip()
+    return ""
 
 
 def gemv_enabled() -> bool:
