@@ -178,6 +178,7 @@ def _doctor(args) -> int:
         "memory_usable_gib": round(mem.usable / 2**30, 1),
         "blas": info.library,
         "blas_provider": info.provider,
+        "blas_core": blas.core(),  # OpenBLAS's kernel set; OPENBLAS_CORETYPE may pin an older one
         "blas_note": info.reason,
         "quantized_cpu_path": native_path(),
         "float32_batch_path": dense_path(),

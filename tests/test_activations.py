@@ -1,5 +1,6 @@
-"""The vectorized gates (kernels/native/activations.cpp through kernels.activations) against a
-float64 numpy reference, on awkward inputs, and in the model against MLX's ops.
+"""The vectorized gates and causal softmax (kernels/native/activations.cpp through
+kernels.activations and kernels.attention) against a float64 numpy reference, on awkward
+inputs, and in the model against MLX's ops.
 
 Tolerance: 1e-6 relative per element (the kernel's exp is within ~2 ulp, so silu and sigmoid
 land within a few float32 ulps, ~1e-7; 1e-6 leaves room without hiding a wrong polynomial,
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from kernels import activations, native
+from kernels.attention import attention
 
 REL = 1e-6
 
@@ -105,6 +107,51 @@ def test_conv_silu_matches_float64(mod, B, T, C, K):
     assert (np.abs(got - mlx_ops) <= 2e-6 * mag + 2 * REL * np.abs(ref)).all()
 
 
+def attention64(q, k, v, scale):
+    """Causal grouped-query attention in float64, the T queries being the last of S."""
+    q, k, v = f64(q), f64(k), f64(v)
+    B, Hq, T, D = q.shape
+    S, r = k.shape[2], Hq // k.shape[1]
+    k, v = np.repeat(k, r, axis=1), np.repeat(v, r, axis=1)
+    scores = q @ k.swapaxes(-1, -2) * scale
+    seen = np.arange(S)[None, :] <= (S - T + np.arange(T))[:, None]
+    scores = np.where(seen, scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+# T = S (a first prefill), T < S (a later chunk), T = 1 (decode: MLX's kernel), one key head
+# per query head and 4 per key head, S below one SIMD vector
+@pytest.mark.parametrize(
+    "T,S,Hq,Hkv", [(37, 37, 8, 2), (20, 300, 4, 4), (1, 50, 8, 2), (3, 5, 2, 1)]
+)
+def test_attention_matches_float64(mod, T, S, Hq, Hkv):
+    D = 64
+    q = mx.random.normal((2, Hq, T, D), key=mx.random.key(T))
+    k = mx.random.normal((2, Hkv, S, D), key=mx.random.key(S))
+    v = mx.random.normal((2, Hkv, S, D), key=mx.random.key(S + 1))
+    ref = attention64(q, k, v, D**-0.5)
+    for use in (True, False):
+        got = f64(attention(q, k, v, D**-0.5, native=use))
+        assert np.abs(got - ref).max() <= 1e-5, (use, np.abs(got - ref).max())
+
+
+def test_causal_softmax_rows(mod):
+    """Each row sums to 1 over the keys it sees and is 0 beyond; -inf scores give 0."""
+    # scores of spread 30 (a float32 x - max carries |x - max| * 6e-8 relative error into exp)
+    x = mx.random.normal((3, 6, 40), key=mx.random.key(9)) * 30
+    x[0, 2, 5] = -float("inf")
+    p = np.array(mod.causal_softmax(x))
+    seen = np.arange(40)[None, :] <= (34 + np.arange(6))[:, None]
+    assert (p[:, ~seen] == 0).all() and p[0, 2, 5] == 0
+    np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-6)
+    xd = np.where(seen, f64(x), -np.inf)
+    ref = np.exp(xd - xd.max(-1, keepdims=True))
+    spread = np.nan_to_num(np.abs(xd - xd.max(-1, keepdims=True)), posinf=0.0)  # -inf: p is 0
+    err = np.abs(p - ref / ref.sum(-1, keepdims=True))[:, seen]
+    assert (err <= ((spread[:, seen] + 2) * 1.2e-7) * p[:, seen] + 1e-37).all()
+
+
 def test_other_dtypes_and_shapes_take_mlx_ops(mod):
     """bfloat16, broadcasting shapes and native=False give MLX's own ops, bit for bit."""
     a = mx.random.normal((4, 32), key=mx.random.key(3))
@@ -127,6 +174,8 @@ def test_bad_input_is_named(mod):
         mod.silu_mul(mx.ones((2,), dtype=mx.float16), mx.ones((2,), dtype=mx.float16))
     with pytest.raises(ValueError, match="one shape"):
         mod.mul_sigmoid(mx.ones((2, 3)), mx.ones((3,)))
+    with pytest.raises(ValueError, match=r"0 < T <= S"):
+        mod.causal_softmax(mx.ones((2, 5, 3)))
     with pytest.raises(ValueError, match=r"window \[B, K-1\+T, C\]"):
         mod.conv_silu(mx.ones((1, 2, 8)), mx.ones((8, 4)))
 

@@ -182,6 +182,7 @@ def test_doctor_names_the_float32_batch_path(mod, capsys, monkeypatch):
     assert report["float32_batch_path"].startswith(f"native GEMV for {lo}-{hi} rows ({isa})")
     assert report["delta_decode_path"].startswith("native fused update for 1-")
     assert report["activation_path"] == f"native vectorized pass ({isa})"
+    assert report["blas_core"] == blas.core()  # e.g. SkylakeX; "" when not OpenBLAS
     monkeypatch.setenv("CHATML_NATIVE", "0")
     native.reset()
     assert main(["doctor", "--json"]) == 0

@@ -18,6 +18,7 @@ import mlx.nn as nn
 
 from kernels import gated_delta, gated_delta_rows
 from kernels.activations import conv_silu, mul_sigmoid, silu_mul
+from kernels.attention import attention
 
 from ..checkpoints.registry import Architecture
 from .cache import KVCache, MTPCache, RecurrentCache
@@ -233,9 +234,7 @@ class Attention(nn.Module):
         """Append k, v to the cache and attend; returns `[B, T, Hq*D]`."""
         B, _, T, _ = q.shape
         k, v = cache.update(k, v)
-        y = mx.fast.scaled_dot_product_attention(
-            q, k, v, scale=self.d**-0.5, mask="causal" if T > 1 else None
-        )
+        y = attention(q, k, v, self.d**-0.5, native=self.native)
         return y.transpose(0, 2, 1, 3).reshape(B, T, -1)
 
     def output(self, y: mx.array, gate: mx.array) -> mx.array:

@@ -271,6 +271,88 @@ class ConvSilu : public Primitive {
   }
 };
 
+// Softmax over the last axis of causal attention scores [..., T, S] whose T queries are the
+// last T of the S positions: row i sees keys 0..S-T+i, the rest of its row becomes 0. Each row
+// in float32: its max, exp(x - max) with the vectorized exp, the sum, then a scale.
+class CausalSoftmax : public Primitive {
+ public:
+  explicit CausalSoftmax(Stream stream) : Primitive(stream) {}
+
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    auto& encoder = cpu::get_command_encoder(stream());
+    const array& x = inputs[0];
+    encoder.set_input_array(x);
+    array& out = outputs[0];
+    if (x.is_donatable() && x.flags().row_contiguous && x.data_size() == x.size()) {
+      out.copy_shared_buffer(x);
+    } else {
+      out.set_data(allocator::malloc(out.nbytes()));
+    }
+    encoder.set_output_array(out);
+    const int S = x.shape(-1), T = x.shape(-2);
+    const size_t rows = x.size() / S;
+    encoder.dispatch([in = x.data<float>(), o = out.data<float>(), S, T, rows]() {
+      auto job = [&](int part, int parts) {
+        for (size_t r = rows * part / parts; r < rows * (part + 1) / parts; ++r) {
+          const float* a = in + r * S;
+          float* y = o + r * S;
+          const int n = S - T + static_cast<int>(r % T) + 1;  // keys this query sees
+          vf mv = splat(-INFINITY);
+          int j = 0;
+          for (; j + L <= n; j += L) {
+            const vf v = load(a + j);
+            mv = v > mv ? v : mv;
+          }
+          float m = -INFINITY;
+          for (int l = 0; l < L; ++l) {
+            m = std::max(m, mv[l]);
+          }
+          for (; j < n; ++j) {
+            m = std::max(m, a[j]);
+          }
+          vf sv = {};
+          for (j = 0; j + L <= n; j += L) {
+            const vf e = exp(load(a + j) - m);
+            store(y + j, e);
+            sv += e;
+          }
+          float sum = 0.0f;
+          for (int l = 0; l < L; ++l) {
+            sum += sv[l];
+          }
+          for (; j < n; ++j) {
+            y[j] = exp1(a[j] - m);
+            sum += y[j];
+          }
+          const float inv = 1.0f / sum;
+          for (j = 0; j < n; ++j) {
+            y[j] *= inv;
+          }
+          std::fill(y + n, y + S, 0.0f);
+        }
+      };
+      const size_t most = rows * S < 16384 ? 1 : rows;  // small: not worth a wake-up
+      pool().run(job, static_cast<int>(std::min<size_t>(pool().size(), most)));
+    });
+  }
+
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("[chatml.causal_softmax] runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "ChatmlCausalSoftmax";
+  }
+
+  bool is_equivalent(const Primitive&) const override {
+    return true;
+  }
+
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
 void check(bool ok, const char* fn, const std::string& what) {
   if (!ok) {
     throw std::invalid_argument(std::string("[chatml.") + fn + "] " + what);
@@ -302,6 +384,15 @@ array conv_silu(const array& window, const array& weight) {
                {contiguous(window, false, s), contiguous(weight, false, s)});
 }
 
+array causal_softmax(const array& scores) {
+  check(scores.dtype() == float32, "causal_softmax", "takes float32 scores");
+  check(scores.ndim() >= 2 && scores.shape(-2) <= scores.shape(-1) && scores.shape(-2) > 0,
+        "causal_softmax", "takes scores [..., T, S] with 0 < T <= S");
+  Stream s = default_stream(Device::cpu);
+  return array(scores.shape(), float32, std::make_shared<CausalSoftmax>(s),
+               {contiguous(scores, false, s)});
+}
+
 }  // namespace
 
 void bind_activations(nb::module_& m) {
@@ -317,6 +408,9 @@ void bind_activations(nb::module_& m) {
           return elementwise(Op::kMulSigmoid, "mul_sigmoid", {y, g});
         },
         nb::arg("y"), nb::arg("g"), "y * sigmoid(g) (CPU, float32, same shapes).");
+  m.def("causal_softmax", &causal_softmax, nb::arg("scores"),
+        "Softmax over the last axis of scores [..., T, S] for the last T of S positions, "
+        "causally masked (CPU, float32).");
   m.def("conv_silu", &conv_silu, nb::arg("window"), nb::arg("weight"),
         "silu of the causal depthwise conv: window [B, K-1+T, C], weight [C, K] -> [B, T, C].");
 }
