@@ -99,7 +99,7 @@ def llama_bench(work: Path, path: Path, threads: int) -> dict:
 
 def chatml(ckpt: Path, threads: int, config: str = "chatml") -> dict:
     env = child_env("1")
-    env["OPENBLAS_NUM_THREADS"] = str(threads)
+    env["OPENBLAS_NUM_THREADS"] = env["CHATML_GEMV_THREADS"] = str(threads)  # BLAS, native pool
     for pinned in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
         env.pop(pinned, None)
     cmd = [sys.executable, "-m", "bench.throughput", "--child", config, "--model", str(ckpt),
