@@ -28,8 +28,9 @@ from .cache import KVCache, MTPCache, RecurrentCache
 class ModelOptions:
     # False: always mx.fast.gated_delta_update (the sequential reference), whatever the device.
     chunked_delta: bool = True  # True: kernels.choice picks the gated delta path
-    # True: the gates (silu, sigmoid, the conv's silu) take kernels.native's vectorized CPU
-    # pass for float32 (kernels.activations); MLX's ops otherwise (GPUs, training).
+    # True: the gates (silu, sigmoid, the conv's silu) and a prefill's causal softmax take
+    # vectorized native CPU passes for float32 (kernels.activations, kernels.attention);
+    # MLX's ops otherwise (GPUs, training, which needs gradients).
     native_activations: bool = False
 
 
