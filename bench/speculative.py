@@ -7,10 +7,12 @@ rate (0 accepts everything, 1 nothing), and each (k, rate) cell is timed against
 checked token-for-token against plain decoding on every run. Prints a table, writes JSON
 with the conditions (`--json`).
 
-`--mtp` loads the checkpoint's MTP head: the injected cells then carry its cache (kept in
-step by every pass), and rows `mtp` draft with the head itself (with random weights its
-drafts are almost never right: the rows show what drafting costs when it fails, fixed k and
-adaptive). Plain decoding runs on the target's caches alone, as an engine without the head.
+`--mtp` loads the checkpoint's MTP head: the injected cells then carry its cache (which
+follows every pass, lazily: the head itself never runs for them), and rows `mtp` draft with
+the head (with random weights its drafts are almost never right: the rows show what drafting
+costs when it fails, fixed k and adaptive; adaptive stops drafting, and the head then only
+catches up at each probe). Plain decoding runs on the target's caches alone, as an engine
+without the head.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import engine
 from engine.checkpoints import registry
 from engine.checkpoints.builder import build, tensor_plan
 from engine.checkpoints.loader import CheckpointError
+from engine.runtime import snapshot
 from engine.runtime.cache import KVCache, MTPCache
 from engine.runtime.generate import decode, prefill
 from engine.runtime.mtp import MTPDrafter
@@ -33,7 +34,7 @@ from engine.runtime.speculative import (
     SpeculationStats,
     speculative_decode,
 )
-from engine.runtime.step import Row, forward
+from engine.runtime.step import Row, forward, rollback
 
 PROMPT = [9707, 11, 1879, 0, 3555, 525, 498, 30, 151645, 198, 151644, 77091, 198] * 2
 N = 12
@@ -51,11 +52,13 @@ def _plain(model, ids, n, params=None):
                        stop_ids=(), history=list(ids)))  # fmt: skip
 
 
-def _arrays(caches) -> list[np.ndarray]:
+def _raw(caches) -> list[np.ndarray]:
+    """Every array the caches hold, as they hold it (an MTP cache's rows, pending ids and
+    hidden states)."""
     out = []
     for c in caches:
         if isinstance(c, MTPCache):
-            out += [*(c.rows or ()), c.state]
+            out += [*(c.rows or ()), *([] if c.ids is None else [c.ids]), c.state]
         elif isinstance(c, KVCache):
             out += list(c.state)
         else:
@@ -63,20 +66,103 @@ def _arrays(caches) -> list[np.ndarray]:
     return [np.array(a) for a in out]
 
 
+def _caught_up(model, c: MTPCache) -> MTPCache:
+    """A copy of `c` with every pending row computed; `c` itself is left as it is."""
+    copy = MTPCache()
+    copy.load_state(*(c.rows or (None, None)), c.ids, c.state, c.offset)
+    model.mtp.catch_up(copy, model.embed_tokens)
+    return copy
+
+
+def _arrays(model, caches) -> list[np.ndarray]:
+    """What the caches stand for: an MTP cache's once caught up (rows and hidden state)."""
+    return _raw([_caught_up(model, c) if isinstance(c, MTPCache) else c for c in caches])
+
+
+def _check_pending(cache: MTPCache, tokens) -> None:
+    """The MTP cache's layout: rows plus pending hidden states cover every position, and its
+    pending ids are the tokens after the last row's position."""
+    r = cache.kv.offset
+    assert cache.offset == len(tokens) and cache.state.shape[1] == len(tokens) - r >= 1
+    assert cache.lag == len(tokens) - r - 1
+    pending = [] if cache.ids is None else np.array(cache.ids[0]).tolist()
+    assert pending == list(tokens[r + 1 :])
+
+
 def _assert_holds(model, caches, tokens, next_token, atol=1e-4):
-    """`caches` (the MTP head's included) equal a fresh prefill of `tokens`, and so do the
-    logits after `next_token`."""
+    """`caches` (the MTP head's included, once caught up) equal a fresh prefill of `tokens`,
+    and so do the logits after `next_token`."""
     fresh = model.make_caches()
     prefill(model, fresh, tokens, 0)
     assert isinstance(caches[-1], MTPCache) and {c.offset for c in caches} == {len(tokens)}
-    assert caches[-1].kv.offset == len(tokens) - 1
-    ours, theirs = _arrays(caches), _arrays(fresh)
+    _check_pending(caches[-1], tokens)
+    ours, theirs = _arrays(model, caches), _arrays(model, fresh)
     assert len(ours) == len(theirs)
     for a, b in zip(ours, theirs):
         np.testing.assert_allclose(a, b, atol=atol)
     ((a, _),) = forward(model, [Row(caches, [next_token])])
     ((b, _),) = forward(model, [Row(fresh, [next_token])])
     np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+
+
+def _eager(model) -> list:
+    """Caches whose MTP head advances with every pass (what it did before it went lazy)."""
+    caches = model.make_caches()
+    caches[-1].max_lag = 0
+    return caches
+
+
+def _draft_logits(model, cache: MTPCache, token: int, k: int) -> np.ndarray:
+    """The head's logits `[k, V]` at each of k chained greedy draft steps after `token`, as
+    `MTPHead.draft` computes them; `cache` catches up and is otherwise left as it was."""
+    model.mtp.catch_up(cache, model.embed_tokens)
+    kv, start = cache.kv, cache.kv.offset
+    hidden, ids, out = cache.state, mx.array([[token]]), []
+    for _ in range(k):
+        hidden = model.mtp(model.embed_tokens(ids), hidden, kv)
+        out.append(model.logits(hidden)[0, -1])
+        ids = mx.argmax(out[-1])[None, None]
+    logits = mx.stack(out)
+    mx.eval(logits)
+    kv.restore(start)
+    return np.array(logits)
+
+
+@pytest.fixture
+def head_calls(monkeypatch):
+    """Counts the head's work: `rows` (batched passes computing pending rows) and `steps`
+    (draft steps through the whole head)."""
+    from engine.runtime.mtp import MTPHead
+
+    calls = {"rows": 0, "steps": 0}
+    rows, step = MTPHead._rows, MTPHead.__call__
+
+    def counted_rows(self, *args):
+        calls["rows"] += 1
+        return rows(self, *args)
+
+    def counted_step(self, *args):
+        calls["steps"] += 1
+        return step(self, *args)
+
+    monkeypatch.setattr(MTPHead, "_rows", counted_rows)
+    monkeypatch.setattr(MTPHead, "__call__", counted_step)
+    return calls
+
+
+class _Scripted(DraftLength):
+    """A policy that drafts k from `script` in turn (0: decode `plain` tokens plainly)."""
+
+    def __init__(self, script, plain=3):
+        super().__init__(max(max(script), 1), adaptive=True)
+        self.script, self.plain, self.i = list(script), plain, 0
+
+    def next(self) -> int:
+        self.i += 1
+        return self.script[(self.i - 1) % len(self.script)]
+
+    def plain_tokens(self) -> int:
+        return self.plain
 
 
 # ----- the checkpoint ------------------------------------------------------------------------
@@ -210,11 +296,13 @@ def test_drafts_match_a_float64_forward_of_the_head(mtp):
 
     caches = model.make_caches()
     prefill(model, caches, ids, 0)
-    cache = caches[-1]
-    assert cache.offset == len(ids) and cache.kv.offset == len(ids) - 1
-    np.testing.assert_allclose(np.array(cache.state[0, 0]), h[-1], atol=1e-5)
+    cache = caches[-1]  # the prefill ran no head: its inputs are pending
+    assert cache.offset == len(ids) and cache.kv.offset == 0 and cache.lag == len(ids) - 1
+    _check_pending(cache, ids)
+    np.testing.assert_allclose(np.array(cache.state[0]), h, atol=1e-5)
     assert model.mtp.draft(model, cache, pending, 2) == [d1, d2]
-    assert cache.kv.offset == len(ids) - 1  # the draft rows are trimmed
+    assert cache.kv.offset == len(ids) - 1 and cache.lag == 0  # caught up; drafts trimmed
+    np.testing.assert_allclose(np.array(cache.state[0, 0]), h[-1], atol=1e-5)
     o = model.mtp(model.embed_tokens(mx.array([[pending]])), cache.state, cache.kv)
     np.testing.assert_allclose(np.array(model.logits(o)[0, -1]), logits[-1], atol=1e-4)
     o2 = model.mtp(model.embed_tokens(mx.array([[d1]])), o, cache.kv)
@@ -292,22 +380,222 @@ def test_session_scripts_with_the_mtp_drafter_answer_as_a_fresh_prefill(mtp):
         _assert_holds(eng.model, s.seq.caches, s.seq.tokens, 198, atol=1e-3)
 
 
-def test_the_mtp_cache_survives_a_state_file_and_a_pool_fork(mtp):
+# ----- the lazy head: paused while drafting is off, caught up when it resumes ----------------
+
+
+def test_plain_decoding_never_runs_the_head_and_drafts_after_the_pause_are_exact(
+    mtp, truth, head_calls
+):
+    """Prefill and plain decoding leave the head's inputs pending and never run it; the
+    draft that follows catches up in one batched pass and proposes what a head that
+    advanced with every pass proposes (logits to 1e-4, same tokens), and the rows then
+    equal such a head's after a fresh prefill of the same tokens."""
+    model = mtp.model
+    lazy, eager = model.make_caches(), _eager(model)
+    for caches in (lazy, eager):
+        logits, _ = prefill(model, caches, PROMPT, 0)
+        out = list(decode(model, caches, logits, Sampler(SamplingParams()), max_tokens=N,
+                          stop_ids=(), history=list(PROMPT)))  # fmt: skip
+        assert out == truth[:N]
+        if caches is lazy:
+            assert head_calls == {"rows": 0, "steps": 0}
+    assert head_calls["rows"] >= N  # the eager head: once per pass
+    tokens = PROMPT + out[:-1]
+    assert lazy[-1].kv.offset == 0 and lazy[-1].lag == len(tokens) - 1
+    _check_pending(lazy[-1], tokens)
+    assert eager[-1].kv.offset == len(tokens) - 1 and eager[-1].lag == 0
+
+    head_calls.update(rows=0, steps=0)
+    ours = _draft_logits(model, lazy[-1], out[-1], 3)
+    assert head_calls == {"rows": 1, "steps": 3}  # one pass for all it missed, then 3 drafts
+    theirs = _draft_logits(model, eager[-1], out[-1], 3)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    assert lazy[-1].kv.offset == len(tokens) - 1 and lazy[-1].lag == 0
+    head_calls.update(rows=0, steps=0)
+    drafts = model.mtp.draft(model, lazy[-1], out[-1], 3)
+    assert drafts == ours.argmax(-1).tolist() == model.mtp.draft(model, eager[-1], out[-1], 3)
+    assert head_calls["rows"] == 0  # nothing was pending any more
+
+    fresh = _eager(model)  # the head over the same tokens, from scratch, advancing each pass
+    prefill(model, fresh, tokens, 0)
+    for a, b in zip(_raw(lazy), _raw(fresh), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_the_lag_is_bounded_and_caught_up_inside_a_pass(mtp, truth, head_calls):
+    """With `max_lag` m, a pass that would leave more than m rows pending computes them all
+    at once: plain decoding runs the head once every m + 1 tokens, never per token."""
+    model = mtp.model
+    caches = model.make_caches()
+    caches[-1].max_lag = 4
+    logits, _ = prefill(model, caches, PROMPT, 0)
+    assert head_calls["rows"] == 1 and caches[-1].lag == 0  # the prompt: 25 rows, one pass
+    lags = []
+    steps = decode(model, caches, logits, Sampler(SamplingParams()), max_tokens=N + 4,
+                   stop_ids=(), history=list(PROMPT))  # fmt: skip
+    for _ in steps:
+        lags.append(caches[-1].lag)
+    assert max(lags) <= 4 and head_calls["rows"] == 1 + (N + 3) // 5
+    _assert_holds(model, caches, PROMPT + truth[: N + 3], truth[N + 3])
+
+
+@pytest.mark.parametrize("max_lag", [None, 4], ids=["lazy", "bounded"])
+def test_a_session_switching_drafting_off_and_on_answers_as_plain_decoding(
+    mtp, head_calls, monkeypatch, max_lag
+):
+    """A turn with drafting off runs no head at all (its prompt neither); turns that switch
+    drafting off and on mid-answer (plain runs, then probes that catch up), trimming,
+    regenerate and an interrupted stream all answer as a fresh prefill, and the sequence's
+    caches end equal to a fresh prefill of its tokens."""
+    from engine.runtime import cache as cache_module
+
+    if max_lag is not None:
+        monkeypatch.setattr(cache_module, "MAX_LAG", max_lag)
+    eng = mtp
+    eng.speculative = Speculation(MTPDrafter, 3, adaptive=False)
+    s = eng.session("You are terse.", max_exchanges=2)
+    eng.speculative.policy = _Scripted([0], plain=16)
+    head_calls.update(rows=0, steps=0)
+    turns = [s.send(QUESTIONS[0], max_tokens=8)]
+    assert turns[0].stats.drafted_tokens == 0
+    if max_lag is None:
+        assert head_calls == {"rows": 0, "steps": 0}
+        assert s.seq.caches[-1].kv.offset == 0  # the whole conversation is pending
+    eng.speculative.policy = _Scripted([0, 2, 0, 0, 3, 1], plain=2)
+    turns += [s.send(q, max_tokens=10) for q in QUESTIONS[1:4]]  # turns 3, 4 trim
+    assert turns[-1].stats.dropped_exchanges == 1
+    turns.append(s.regenerate(max_tokens=10))
+    history = [list(e) for e in s.history]
+    stream = s.stream(QUESTIONS[4], max_tokens=10)
+    next(stream)
+    stream.close()
+    assert s.history == history
+    turns.append(s.send(QUESTIONS[5], max_tokens=10))
+    for i, turn in enumerate(turns):
+        assert turn.token_ids == fresh_greedy(eng, turn.prompt_ids, 10 if i else 8)[0]
+        assert i == 0 or turn.stats.drafted_tokens > 0
+    assert head_calls["steps"] > 0
+    with eng.lock:
+        _assert_holds(eng.model, s.seq.caches, s.seq.tokens, 198, atol=1e-3)
+
+
+@pytest.mark.parametrize("max_lag", [None, 4], ids=["lazy", "bounded"])
+def test_snapshots_and_kept_states_taken_while_the_head_lags_restore_exactly(mtp, truth, max_lag):
+    """Snapshots inside a prefill chunk and at its end, and the states a step keeps inside
+    itself, taken while rows are pending (or, bounded, just computed inside the pass):
+    restored after the head caught up and drafted past them, they equal a fresh prefill."""
+    model = mtp.model
+    caches = model.make_caches()
+    if max_lag is not None:
+        caches[-1].max_lag = max_lag
+    snaps = {}
+
+    def on_stop(pos, layers):
+        snaps[pos] = snapshot.take(caches, pos, layers)
+
+    n = len(PROMPT)
+    prefill(model, caches, PROMPT, 0, stops=[3, 10, n], on_stop=on_stop)
+    head = caches[-1]
+    assert head.lag == (n - 1 if max_lag is None else 0)
+    assert snaps[10].layers[-1][1].shape[1] == (10 if max_lag is None else 1)
+    assert snaps[10].nbytes >= snaps[10].layers[-1][1].nbytes > 0  # the pending inputs count
+    # A step that keeps states inside itself while the head lags: roll back into it.
+    ((_, mark),) = forward(model, [Row(caches, truth[:4], logits=0, keep=[1, 2, 3])])
+    rollback(caches, mark, n + 2)
+    _assert_holds(model, caches, PROMPT + truth[:2], truth[2])  # feeds truth[2]
+    # The head catches up and drafts past every snapshot, twice; then restore, deepest first.
+    model.mtp.draft(model, head, truth[3], 3)
+    forward(model, [Row(caches, truth[3:6], logits=0)])
+    model.mtp.draft(model, head, truth[6], 2)
+    assert head.kv.offset == n + 5 and head.lag == 0
+    _assert_holds(model, caches, PROMPT + truth[:6], truth[6])
+    for pos, next_token in ((n, truth[0]), (10, PROMPT[10]), (3, PROMPT[3])):
+        snapshot.restore(caches, snaps[pos])
+        _assert_holds(model, caches, PROMPT[:pos], next_token)
+
+
+@pytest.mark.parametrize("max_lag", [None, 1], ids=["lazy", "bounded"])
+def test_batched_rows_keep_each_head_exact(mtp, truth, max_lag):
+    """`decode_rows` (several sequences in one step) follows each row's head lazily (or,
+    bounded, catches a row up inside the batched step): each row ends as it would alone."""
+    model = mtp.model
+    prompts = [PROMPT, PROMPT[5:]]
+    rows, tokens = [], []
+    for ids in prompts:
+        caches = model.make_caches()
+        if max_lag is not None:
+            caches[-1].max_lag = max_lag
+        logits, _ = prefill(model, caches, ids, 0)
+        rows.append(caches)
+        tokens.append([mx.argmax(logits).item()])
+    for _ in range(5):
+        out = forward(model, [Row(c, [t[-1]]) for c, t in zip(rows, tokens)])
+        for t, (logits, _) in zip(tokens, out):
+            t.append(mx.argmax(logits[-1]).item())
+    assert tokens[0] == truth[:6]
+    for ids, caches, t in zip(prompts, rows, tokens):
+        assert caches[-1].lag <= (max_lag if max_lag is not None else len(ids) + 4)
+        _assert_holds(model, caches, ids + t[:-1], t[-1])
+
+
+def test_state_files_of_version_1_are_read_and_unknown_versions_refused(mtp):
+    """Version 1 files predate the lag (their MTP caches never lag): read as they are. A
+    file from a later version is refused, not half understood."""
+    from engine.storage.state_file import (
+        CapturedState,
+        StateError,
+        capture_state,
+        decode_state,
+        state_key,
+    )
+
+    eng = mtp
+    s = eng.session("You are terse.")
+    eng.speculative = Speculation(MTPDrafter, 3, adaptive=False)
+    s.send(QUESTIONS[0], max_tokens=4)
+    with eng.lock:
+        eng.model.mtp.catch_up(s.seq.caches[-1], eng.model.embed_tokens)  # as v1 wrote them
+        s.seq.snapshots.clear()
+        captured = capture_state(s.seq, eng)
+        key = state_key(s.seq.tokens)
+        for version, ok in (("1", True), ("3", False)):
+            data = CapturedState(captured.tensors, {**captured.meta, "version": version}).encode()
+            if ok:
+                tokens, caches, _ = decode_state(data, eng, key)
+                _assert_holds(eng.model, caches, tokens, 198, atol=1e-3)
+            else:
+                with pytest.raises(StateError, match="version"):
+                    decode_state(data, eng, key)
+
+
+@pytest.mark.parametrize("script", [[3], [0]], ids=["drafting", "lagging"])
+def test_the_mtp_cache_survives_a_state_file_and_a_pool_fork(mtp, script):
+    """Saved, read back and forked as it is: caught up after drafting, or lagging a whole
+    conversation behind (drafting off: the head never ran), snapshots included."""
     from engine.runtime.pool import fork
     from engine.runtime.sequence import CachedSequence
     from engine.storage.state_file import capture_state, decode_state, state_key
 
     eng = mtp
     eng.speculative = Speculation(MTPDrafter, 3, adaptive=False)
+    eng.speculative.policy = _Scripted(script, plain=6)
     s = eng.session("You are terse.")
     s.send(QUESTIONS[0], max_tokens=6)
+    s.send(QUESTIONS[1], max_tokens=6)
     seq = s.seq
     with eng.lock:
+        head = seq.caches[-1]
+        assert head.lag == len(seq.tokens) - 1 if script == [0] else head.lag < 4
         data = capture_state(seq, eng).encode()
         tokens, caches, snaps = decode_state(data, eng, state_key(seq.tokens))
         assert tokens == seq.tokens and isinstance(caches[-1], MTPCache) and snaps
-        for a, b in zip(_arrays(caches), _arrays(seq.caches)):
+        for a, b in zip(_raw(caches), _raw(seq.caches), strict=True):
             np.testing.assert_array_equal(a, b)
+        _assert_holds(eng.model, caches, tokens, 198, atol=1e-3)
+        for p in sorted(snaps, reverse=True)[1:3]:  # deepest first: each rewinds below the last
+            snapshot.restore(caches, snaps[p])
+            _assert_holds(eng.model, caches, tokens[:p], tokens[p], atol=1e-3)
         pos = max(p for p in seq.snapshots if p < len(seq.tokens))
         dst = CachedSequence(eng)
         fork(seq, pos, dst)

@@ -109,39 +109,80 @@ class RecurrentCache:
         return sum(a.nbytes for a in (self.conv, self.state) if a is not None)
 
 
+# How many rows the MTP head's cache may leave uncomputed (`MTPCache.lag`) before the pass
+# that would exceed it computes them all: while drafting is off the head does not run per
+# token, and this bounds what the lag costs (the target's hidden states it keeps, in the live
+# cache and in each snapshot: 512 positions are ~2 MiB for the 0.8B build in float32, against
+# ~18 MiB of recurrent state per snapshot).
+MAX_LAG = 512
+
+
 class MTPCache(RecurrentCache):
-    """The cache of the MTP head (runtime.mtp): its attention layer's KV rows, and the
-    target's hidden state after the last position.
+    """The cache of the MTP head (runtime.mtp): its attention layer's KV rows, and what the
+    rows not yet computed are made of.
 
     Row j of `kv` pairs the target's final hidden state at position j with the embedding of
-    token j+1 (RoPE position j), so after `offset` tokens it holds `offset - 1` rows: the row
-    of the last position needs the token after it, which the first draft step supplies.
-    `state` is the target's hidden state `[B, 1, H]` at position `offset - 1`. The rows trim
-    like any KV cache; the hidden state cannot be recomputed without the target, so it is
-    kept as a recurrent state is: `snapshot()` is `(None, state, offset)`, captured inside a
-    step where asked, and restoring one trims the rows to `offset - 1` (valid while the live
-    cache has not rewound below it, as for every KV cache: see runtime.snapshot).
+    token j+1 (RoPE position j); after `offset` tokens there are `offset - 1` such rows (the
+    row of the last position needs the token after it, which the first draft step supplies).
+    The head computes them lazily, so that plain decoding never runs it per token: `kv` holds
+    the first `offset - L` rows, and the rest are kept as their inputs:
+
+    - `state`: the target's hidden states `[B, L, H]` at positions `offset - L .. offset - 1`
+      (L >= 1 once a token was seen; the last one is where a draft starts);
+    - `ids`: the tokens `[B, L - 1]` (int32) at positions `offset - L + 1 .. offset - 1`,
+      which those rows pair with; None when L == 1 (`lag` 0: the head is caught up).
+
+    `MTPHead.catch_up` computes the pending rows in one batched pass; `MTPHead.advance` keeps
+    the inputs in step with every target pass and catches up itself once the lag would pass
+    `max_lag` (0: the head advances with every pass, as a reference). The hidden states
+    cannot be recomputed without the target, so they are kept as a recurrent state is:
+    `snapshot()` is `(ids, state, offset)` (the ids in the slot a recurrent cache keeps its
+    conv tail in), captured inside a step where asked, and restoring one trims the rows to
+    `offset - L` (valid while the live cache has not rewound below that, as for every KV
+    cache: see runtime.snapshot; the rows only ever grow between rewinds).
     """
 
-    def __init__(self):
+    def __init__(self, max_lag: int | None = None):
         super().__init__()
         self.kv = KVCache()
+        self.ids: mx.array | None = None
+        self.max_lag = MAX_LAG if max_lag is None else max_lag
+
+    @property
+    def lag(self) -> int:
+        """Rows whose inputs are known but not computed yet."""
+        return 0 if self.ids is None else self.ids.shape[1]
+
+    def update(self, ids: mx.array | None, state: mx.array, n: int) -> None:
+        """The pending inputs after `n` more positions (rows computed meanwhile are in `kv`)."""
+        self.ids, self.state = ids, state
+        self.offset += n
+
+    def snapshot(self, pos: int | None = None) -> tuple[mx.array | None, mx.array | None, int]:
+        if pos is None or pos == self.offset:
+            return self.ids, self.state, self.offset
+        return super().snapshot(pos)
 
     def restore(self, snap: tuple[mx.array | None, mx.array | None, int]) -> None:
-        _, state, offset = snap
-        self.kv.restore(max(offset - 1, 0))
-        self.conv, self.state, self.offset = None, state, offset
+        ids, state, offset = snap
+        self.kv.restore(offset - _pending(state))
+        self.conv, self.ids, self.state, self.offset = None, ids, state, offset
 
-    def load_state(self, keys: mx.array | None, values: mx.array | None, state: mx.array | None,
-                   offset: int) -> None:  # fmt: skip
-        """Adopt rows `[B, Hkv, offset - 1, D]` (None for none) and the hidden state."""
+    def load_state(self, keys: mx.array | None, values: mx.array | None, ids: mx.array | None,
+                   state: mx.array | None, offset: int) -> None:  # fmt: skip
+        """Adopt rows `[B, Hkv, offset - L, D]` (None for none), the pending `ids` and the
+        hidden states `state` (`[B, L, H]`)."""
+        L, n_ids = _pending(state), 0 if ids is None else ids.shape[1]
+        if (offset > 0) != (L > 0) or L > offset or n_ids != max(L - 1, 0):
+            raise ValueError(f"an MTP cache at {offset} cannot hold {L} hidden states and "
+                             f"{n_ids} pending ids")  # fmt: skip
         self.kv = KVCache()
         if keys is not None:
             self.kv.load_state(keys, values)
-        if self.kv.offset != max(offset - 1, 0):
-            raise ValueError(f"an MTP cache at {offset} needs {max(offset - 1, 0)} rows, "
-                             f"got {self.kv.offset}")  # fmt: skip
-        self.conv, self.state, self.offset = None, state, offset
+        if self.kv.offset != offset - L:
+            raise ValueError(f"an MTP cache at {offset} with {L} hidden states needs "
+                             f"{offset - L} rows, got {self.kv.offset}")  # fmt: skip
+        self.conv, self.ids, self.state, self.offset = None, ids, state, offset
 
     @property
     def keys(self) -> mx.array | None:  # for generate.cache_arrays: evaluated with the rest
@@ -153,9 +194,14 @@ class MTPCache(RecurrentCache):
 
     @property
     def rows(self) -> tuple[mx.array, mx.array] | None:
-        """The valid rows `[B, Hkv, offset - 1, D]` (keys, values), None if there are none."""
+        """The computed rows `[B, Hkv, offset - L, D]` (keys, values), None if there are none."""
         return self.kv.state
 
     @property
     def nbytes(self) -> int:
-        return self.kv.nbytes + (self.state.nbytes if self.state is not None else 0)
+        return self.kv.nbytes + sum(a.nbytes for a in (self.ids, self.state) if a is not None)
+
+
+def _pending(state: mx.array | None) -> int:
+    """How many positions an MTP cache's `state` covers (the rows it lacks, plus one)."""
+    return 0 if state is None else state.shape[1]

@@ -24,9 +24,10 @@ PREFILL_CHUNK = 512
 
 
 def cache_arrays(caches: list) -> list[mx.array]:
-    """Every array the caches hold."""
+    """Every array the caches hold (an MTP cache's pending `ids` too)."""
     return [a for c in caches for a in (getattr(c, "keys", None), getattr(c, "values", None),
-            getattr(c, "conv", None), getattr(c, "state", None)) if isinstance(a, mx.array)]  # fmt: skip
+            getattr(c, "conv", None), getattr(c, "state", None), getattr(c, "ids", None))
+            if isinstance(a, mx.array)]  # fmt: skip
 
 
 def eval_caches(caches: list, *extra) -> None:

@@ -388,7 +388,8 @@ class Qwen35(LanguageHead, nn.Module):
     """The text model. `__call__(ids, caches)` advances the caches and returns logits.
 
     With `mtp`, the checkpoint's MTP head (runtime.mtp) is built too, and its cache rides
-    last in `make_caches()`: every pass keeps it in step with the target."""
+    last in `make_caches()`: every pass keeps it in step with the target (the head itself
+    runs when a draft needs its rows: see runtime.mtp)."""
 
     def __init__(self, arch: Architecture, options: ModelOptions | None = None, *,
                  mtp: bool = False):  # fmt: skip
@@ -416,24 +417,24 @@ class Qwen35(LanguageHead, nn.Module):
         """One token per row (`ids [B]`, row i's caches `caches[i]`, all past their first
         token): the final-normed hidden states `[B, 1, H]`. Batched decoding: see
         `DecoderLayer.decode_rows`."""
-        x = embeds = self.embed_tokens(ids)[:, None]
+        x = self.embed_tokens(ids)[:, None]
         for i, layer in enumerate(self.layers):
             x = layer.decode_rows(x, [row[i] for row in caches])
         h = self.norm(x)
         n = len(self.layers)
         for i, row in enumerate(caches):  # the MTP head's cache follows each row's target
             if len(row) > n:
-                self.mtp.advance(embeds[i : i + 1], h[i : i + 1], row[n])
+                self.mtp.advance(ids[i : i + 1, None], h[i : i + 1], row[n], self.embed_tokens)
         return h
 
     def hidden(self, ids: mx.array, caches: list) -> mx.array:
         """Run the layers on ids `[B, T]`; returns the final-normed hidden states `[B, T, H]`."""
-        x = embeds = self.embed_tokens(ids)
+        x = self.embed_tokens(ids)
         for layer, cache in zip(self.layers, caches):
             x = layer(x, cache)
         h = self.norm(x)
-        if len(caches) > len(self.layers):  # the MTP head's cache follows the target
-            self.mtp.advance(embeds, h, caches[len(self.layers)])
+        if len(caches) > len(self.layers):  # the MTP head's cache follows the target (lazily)
+            self.mtp.advance(ids, h, caches[len(self.layers)], self.embed_tokens)
         return h
 
 

@@ -52,10 +52,11 @@ def fork(src: CachedSequence, pos: int, dst: CachedSequence) -> None:
     for d, s, layer in zip(dst.caches, src.caches, layers):
         if isinstance(d, KVCache):
             d.load_state(s.keys[:, :, :pos], s.values[:, :, :pos])
-        elif isinstance(d, MTPCache):  # its rows lag one position (see cache.MTPCache)
-            rows = None if s.keys is None or pos < 2 else (s.keys[:, :, : pos - 1],
-                                                           s.values[:, :, : pos - 1])  # fmt: skip
-            d.load_state(*(rows or (None, None)), layer[1], pos)
+        elif isinstance(d, MTPCache):  # rows below pos - L, L hidden states (cache.MTPCache)
+            ids, state, _ = layer
+            n = pos - (0 if state is None else state.shape[1])
+            rows = (s.keys[:, :, :n], s.values[:, :, :n]) if s.keys is not None and n else None
+            d.load_state(*(rows or (None, None)), ids, state, pos)
         else:
             d.restore(layer)
     eval_caches(dst.caches)  # materialize the copies now, before `src` moves on

@@ -37,7 +37,10 @@ from ..runtime.shard import (
 from ..runtime.snapshot import Snapshot
 
 FORMAT = "chatml-session"
-VERSION = 1
+# 2: an MTP cache may hold fewer rows and more hidden states (and `ids`) than one per position
+# (runtime.cache.MTPCache). Version 1 files are read too: their MTP caches never lag.
+VERSION = 2
+READABLE = ("1", "2")
 # Snapshots written to disk: the first (after the system prompt: survives window trimming) and
 # the last few (the last turn's message and answer starts: the next turn, /regenerate). Every
 # one of them costs the full recurrent state, so saving all would grow the file every turn.
@@ -128,14 +131,16 @@ def capture_state(seq, engine, pos: int | None = None) -> CapturedState:
             if c.state is not None:
                 put(f"kv.{i}.keys", i, c.state[0][:, :, : len(tokens)])
                 put(f"kv.{i}.values", i, c.state[1][:, :, : len(tokens)])
-        elif isinstance(c, MTPCache):  # the MTP head's rows (one fewer) and hidden state
+        elif isinstance(c, MTPCache):  # the MTP head's rows, and the inputs of those pending
             kinds.append("mtp")
             offsets.append(len(tokens))
-            rows = max(len(tokens) - 1, 0)
+            ids, state, _ = c.snapshot() if prefix is None else prefix[i]
+            rows = len(tokens) - (0 if state is None else state.shape[1])
             if c.rows is not None and rows:
                 put(f"mtp.{i}.keys", i, c.rows[0][:, :, :rows])
                 put(f"mtp.{i}.values", i, c.rows[1][:, :, :rows])
-            put(f"mtp.{i}.state", i, c.state if prefix is None else prefix[i][1])
+            put(f"mtp.{i}.ids", i, ids)
+            put(f"mtp.{i}.state", i, state)
         else:
             kinds.append("rec")
             conv, state, offset = (c.conv, c.state, c.offset) if prefix is None else prefix[i]
@@ -146,7 +151,7 @@ def capture_state(seq, engine, pos: int | None = None) -> CapturedState:
     positions = sorted(set(positions[:1] + positions[-SNAPSHOTS_KEPT:])) if pos is None else []
     for p in positions:
         for i, layer in enumerate(seq.snapshots[p].layers):
-            if layer is not None:
+            if layer is not None:  # (an MTP cache's pending ids ride in the conv slot)
                 put(f"snap.{p}.{i}.conv", i, layer[0])
                 put(f"snap.{p}.{i}.state", i, layer[1])
     remote = [name for name, a in found.items() if isinstance(a, Wanted)]
@@ -214,7 +219,7 @@ def restore_captured(captured: CapturedState, engine, expected_key: str):
 
 
 def _check_meta(meta: dict, engine, expected_key: str | None) -> None:
-    if meta.get("format") != FORMAT or meta.get("version") != str(VERSION):
+    if meta.get("format") != FORMAT or meta.get("version") not in READABLE:
         raise StateError("not a chatml-engine state file of this version")
     if meta.get("fingerprint") != engine.fingerprint or meta.get("dtype") != str(engine.dtype):
         raise StateError("made by other weights or another dtype")
@@ -259,9 +264,12 @@ def _rebuild(tensors: dict[str, np.ndarray], meta: dict, engine, expected_key: s
         elif isinstance(c, MTPCache):
             k, v, st = get(f"mtp.{i}.keys"), get(f"mtp.{i}.values"), get(f"mtp.{i}.state")
             rows = k.shape[2] if k is not None and v is not None else 0
-            if st is None or rows != max(n - 1, 0) or (v is not None and v.shape[2] != rows):
+            if st is None or (v is not None and v.shape[2] != rows):
                 raise StateError(f"layer {i}: MTP cache does not hold {n} positions")
-            c.load_state(k, v, st, n)
+            try:
+                c.load_state(k, v, get(f"mtp.{i}.ids"), st, n)
+            except ValueError as e:
+                raise StateError(f"layer {i}: {e}") from e
         else:
             conv, st = get(f"rec.{i}.conv"), get(f"rec.{i}.state")
             if st is None:
@@ -277,6 +285,9 @@ def _rebuild(tensors: dict[str, np.ndarray], meta: dict, engine, expected_key: s
                 conv, st = get(f"snap.{p}.{i}.conv"), get(f"snap.{p}.{i}.state")
                 if st is None:
                     raise StateError(f"snapshot {p}, layer {i}: recurrent state missing")
+                if isinstance(c, MTPCache) and not _mtp_snapshot_fits(c, conv, st, p):
+                    raise StateError(f"snapshot {p}, layer {i}: MTP rows and pending inputs "
+                                     "do not fit")  # fmt: skip
                 nbytes += sum(a.nbytes for a in (conv, st) if a is not None)
                 layers.append((place(i, conv), place(i, st), p))
             else:
@@ -289,3 +300,10 @@ def _rebuild(tensors: dict[str, np.ndarray], meta: dict, engine, expected_key: s
     if remote.items:
         engine.model.upload(remote)
     return tokens, caches, snapshots
+
+
+def _mtp_snapshot_fits(c: MTPCache, ids, state, p: int) -> bool:
+    """Whether an MTP snapshot at `p` with pending `ids` and hidden `state` restores from the
+    live cache `c`: its rows (p - L) lie within the live ones, its ids number L - 1."""
+    L, n_ids = state.shape[1], 0 if ids is None else ids.shape[1]
+    return 1 <= L <= p and p - L <= c.kv.offset and n_ids == L - 1
