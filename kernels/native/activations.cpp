@@ -27,6 +27,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "buffers.h"
 #include "pool.h"
 
 namespace nb = nanobind;
@@ -163,11 +164,7 @@ class Elementwise : public Primitive {
     }
     array& out = outputs[0];
     const array& a = inputs[0];
-    if (a.is_donatable() && a.flags().row_contiguous && a.data_size() == a.size()) {
-      out.copy_shared_buffer(a);  // nobody else holds it: write over it
-    } else {
-      out.set_data(allocator::malloc(out.nbytes()));
-    }
+    donate_or_alloc(a, out);
     encoder.set_output_array(out);
     const float* pb = inputs.size() > 1 ? inputs[1].data<float>() : nullptr;
     const float* pa = a.data<float>();
@@ -283,11 +280,7 @@ class CausalSoftmax : public Primitive {
     const array& x = inputs[0];
     encoder.set_input_array(x);
     array& out = outputs[0];
-    if (x.is_donatable() && x.flags().row_contiguous && x.data_size() == x.size()) {
-      out.copy_shared_buffer(x);
-    } else {
-      out.set_data(allocator::malloc(out.nbytes()));
-    }
+    donate_or_alloc(x, out);
     encoder.set_output_array(out);
     const int S = x.shape(-1), T = x.shape(-2);
     const size_t rows = x.size() / S;

@@ -29,6 +29,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "buffers.h"
 #include "pool.h"
 
 namespace nb = nanobind;
@@ -144,12 +145,7 @@ class GatedDeltaRows : public Primitive {
     for (size_t i = 0; i < rows_.size(); ++i) {
       const array& state = inputs[5 + i];
       array& next = outputs[1 + i];
-      if (state.is_donatable() && state.flags().row_contiguous &&
-          state.data_size() == state.size()) {
-        next.copy_shared_buffer(state);  // nobody else holds it: update in place
-      } else {
-        next.set_data(allocator::malloc(next.nbytes()));
-      }
+      donate_or_alloc(state, next);  // nobody else holds it: update in place
       for (int b = 0; b < rows_[i]; ++b) {
         in.push_back(state.data<float>() + b * per_row);
         out.push_back(next.data<float>() + b * per_row);
