@@ -212,7 +212,7 @@ class Chat:
 def known(exchanges: list[Exchange], kind: str, window: int = WINDOW) -> str | None:
     """The value of `kind` that the prompt holds, from the last `window` exchanges (the most
     recent statement or recall wins); None when none of them holds it."""
-    for e in reversed(exchanges[len(exchanges) - window :] if window else []):
+    for e in reversed(exchanges[max(0, len(exchanges) - window) :] if window else []):
         if e.kind == kind and e.value is not None:
             return e.value
     return None
@@ -244,10 +244,10 @@ def _lang(rng, base: str) -> str:
 
 
 def training_chat(rng: np.random.Generator) -> Chat:
-    """A chat ending in a question. 30%: `memory_chat` with a gap of 0 to 11. Otherwise 1 to 12
+    """A chat to train on. 30%: `memory_chat` with a gap of 0 to 11. Otherwise 1 to 12
     exchanges: one or two kinds of fact stated at random places, small talk, questions in
-    between; the last question asks for a fact that is in the window, dropped out of it, or
-    never stated (about half are recalls)."""
+    between, ending in a statement (20%), small talk (20%) or a question for a fact that is in
+    the window, dropped out of it, or never stated (about half are recalls)."""
     if rng.random() < 0.3:  # the memory test's shape, at every gap around the window's edge
         return memory_chat(rng, int(rng.integers(0, 2 * WINDOW)))
     base = "en" if rng.random() < 0.6 else "zh"
@@ -262,8 +262,16 @@ def training_chat(rng: np.random.Generator) -> Chat:
             chat.exchanges.append(_ask(rng, chat, _pick(rng, kinds), lang))
         else:
             chat.exchanges.append(_filler(rng, lang))
-    ask = _pick(rng, kinds) if rng.random() < 0.85 else _pick(rng, KINDS).name
-    chat.exchanges.append(_ask(rng, chat, ask, _lang(rng, base)))
+    # The last answer is the one written after the generation prompt's empty think block (the
+    # history's answers have none): questions mostly, acknowledgements and small talk too.
+    r, lang = rng.random(), _lang(rng, base)
+    if r < 0.2:
+        chat.exchanges.append(_state(rng, _pick(rng, kinds), lang))
+    elif r < 0.4:
+        chat.exchanges.append(_filler(rng, lang))
+    else:
+        ask = _pick(rng, kinds) if rng.random() < 0.85 else _pick(rng, KINDS).name
+        chat.exchanges.append(_ask(rng, chat, ask, lang))
     return chat
 
 
