@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shlex
 import subprocess
 import sys
 import uuid
@@ -27,18 +28,11 @@ import engine
 from engine.checkpoints import registry, trained
 from engine.checkpoints.builder import build, tensor_plan
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train/ is not installed
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # train/ is not installed
 from train import data, evaluate  # noqa: E402
 
 N = 100  # cases per path (half inside the window, half dropped)
-# The shipped weights do not recall yet (issue 24 is unfinished: train/README.md, "Status"):
-# they answer a question with an answer of its kind, but do not copy the fact from the chat
-# (a memorized value, or "I don't know"). The behaviour tests are reported as expected failures without
-# running (they would spend minutes on a known result); set True once new weights pass them.
-RECALLS = False
-behaviour = pytest.mark.xfail(
-    not RECALLS, reason="tiny-chat's weights do not recall yet", run=RECALLS, strict=True
-)
 STATS = re.compile(r"^\[prompt \d+ tok: reused \d+, prefilled \d+; generated \d+;", re.M)
 
 
@@ -91,7 +85,25 @@ def test_the_test_chats_use_only_trained_rows(tiny_chat, cases):
         assert set(ids) <= rows, last.user
 
 
-@behaviour
+def test_the_training_labels_follow_what_the_prompt_holds(tiny_chat):
+    """The data's answer rule (`data.known`) against the renderer: a question is answered with
+    the fact exactly when the prompt the engine renders for it still holds the message that
+    stated it, at every gap around the window's edge and in the short chats."""
+    rng = np.random.default_rng(data.TEST_SEED + 7)
+    tok = tiny_chat.tokenizer
+    chats = [data.memory_chat(rng, gap) for gap in range(2 * data.WINDOW) for _ in range(4)]
+    chats += [data.short_chat(rng) for _ in range(40)]
+    for chat in chats:
+        *history, last = chat.exchanges
+        ids, _ = data.encode(chat, tok)
+        prompt = tok.decode(ids[: len(ids) - len(tok.encode(last.assistant)) - 1])
+        stated = [e for e in history if e.role == "state" and e.kind == last.kind]
+        held = [e for e in stated if e.user in prompt]
+        assert (last.value is not None) == bool(held), (prompt, last.assistant)
+        if held:
+            assert last.value == held[-1].value and last.value in last.assistant
+
+
 def test_session_recalls_inside_the_window_only(tiny_chat, cases):
     """Through Session: the history is the scripted exchanges (as a resumed session's), the
     question is answered by the model."""
@@ -120,7 +132,6 @@ def test_cached_answers_equal_a_fresh_prefill(tiny_chat, cases):
     assert turn.stats.dropped_exchanges == 2 and reused > 0
 
 
-@behaviour
 def test_session_turn_by_turn_with_its_own_answers(tiny_chat, cases):
     """Every message through one Session: the model writes its own small talk, and that is
     the scripted answer, so the question meets the history the training showed."""
@@ -130,22 +141,28 @@ def test_session_turn_by_turn_with_its_own_answers(tiny_chat, cases):
         s = tiny_chat.session(case.chat.system, max_exchanges=data.WINDOW)
         for e in case.chat.exchanges:
             turn = s.send(e.user, max_tokens=evaluate.MAX_TOKENS)
-            if e.role != "ask":
+            if e.role == "filler":
                 assert turn.text == e.assistant
+            elif e.role == "state":  # acknowledged by repeating the fact
+                assert e.value in turn.text
         results.append((case, turn.text))
     inside = [c.fact in t for c, t in results if c.inside]
     dropped = [c.fact not in t for c, t in results if not c.inside]
     assert inside and dropped and all(inside) and all(dropped), results
 
 
-@behaviour
 def test_stateless_resends(tiny_chat, cases):
     """Engine.chat (the server's stateless path) with the whole chat resent, windowed."""
-    results = [(c, evaluate.via_stateless(tiny_chat, c)) for c in cases[:40]]
+    results = [(c, evaluate.via_stateless(tiny_chat, c)) for c in cases]
     _check(results)
 
 
-@behaviour
+def test_resumed_sessions(tiny_chat, cases, tmp_path):
+    """`chatml chat --session`'s store: the chat up to the question saved, reopened with its
+    caches from the disk, then the question (a second process: the CLI test below)."""
+    _check([(c, evaluate.via_resumed(tiny_chat, c, tmp_path)) for c in cases])
+
+
 def test_server_with_client_side_window(tiny_chat, cases):
     """The OpenAI server: the client keeps the last six exchanges and resends them."""
     import openai
@@ -155,7 +172,7 @@ def test_server_with_client_side_window(tiny_chat, cases):
     with BackgroundServer(tiny_chat, ServerConfig(port=0, model="tiny-chat")) as srv:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
         results = []
-        for case in cases[:20]:
+        for case in cases:
             head, *rest = case.messages
             msgs = [head] if head["role"] == "system" else []
             body = rest if head["role"] == "system" else case.messages
@@ -165,9 +182,7 @@ def test_server_with_client_side_window(tiny_chat, cases):
                 temperature=0,
             )  # fmt: skip
             results.append((case, r.choices[0].message.content))
-    inside = [c.fact in t for c, t in results if c.inside]
-    dropped = [c.fact not in t for c, t in results if not c.inside]
-    assert np.mean(inside) >= 0.9 and np.mean(dropped) >= 0.9, results
+    _check(results)
 
 
 def chatml(*args, stdin: str = "") -> subprocess.CompletedProcess:
@@ -190,33 +205,38 @@ def _answers(stdout: str) -> list[str]:
     return out
 
 
-@behaviour
 def test_readme_first_command_remembers():
-    """README's first command (its chat part), with the per-turn cache line."""
-    r = chatml(
-        "chat", "--model", "tiny-chat", "--system", "You are a helpful assistant.",
-        "--max-tokens", "32",
-        stdin="Hi! My order number is 48213.\nWhat is my order number?\n你好，请介绍一下你自己。\n",
-    )  # fmt: skip
+    """README's first command (its chat part, as written there: the default model), with the
+    per-turn cache line."""
+    first = (ROOT / "README.md").read_text().split("```bash\n", 1)[1].splitlines()[0]
+    printf, chat = first.split(" && ")[-1].split(" | ")
+    script = shlex.split(printf)[1].replace("\\n", "\n")  # printf's only escape there
+    args = shlex.split(chat)
+    assert args[:2] == ["chatml", "chat"] and "--model" not in args
+    r = chatml(*args[1:], stdin=script)
     assert r.returncode == 0, r.stderr
     answers = _answers(r.stdout)
     assert len(answers) == 3 and len(STATS.findall(r.stdout)) == 3
-    assert "48213" in answers[1] and "48213" not in answers[0] + answers[2]
+    # the statement is acknowledged by repeating it, the question answered from the cached
+    # conversation, the small talk is small talk
+    assert "48213" in answers[0] and "48213" in answers[1] and "48213" not in answers[2]
+    reused = [int(n) for n in re.findall(r"reused (\d+)", r.stdout)]
+    assert reused[1] > 0 and reused[2] > 0
 
 
-@behaviour
 def test_cli_pipe_and_resumed_session(cases):
-    """The CLI pipe (conversations separated by /reset) and a resumed `--session`."""
-    picked = [c for c in cases if len(c.chat.exchanges) in (2, 8)][:6]
-    script = "".join("".join(e.user + "\n" for e in c.chat.exchanges) + "/reset\n" for c in picked)
+    """The CLI pipe (conversations separated by /reset), and a `--session` resumed by a
+    second process."""
+    script = "".join("".join(e.user + "\n" for e in c.chat.exchanges) + "/reset\n" for c in cases)
     r = chatml("chat", "--model", "tiny-chat", "--max-tokens", str(evaluate.MAX_TOKENS),
                stdin=script)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    answers, k = _answers(r.stdout), 0
-    for case in picked:
+    answers, results, k = _answers(r.stdout), [], 0
+    assert len(answers) == sum(len(c.chat.exchanges) for c in cases)
+    for case in cases:
         k += len(case.chat.exchanges)
-        last = answers[k - 1]
-        assert (case.fact in last) == case.inside, (case.chat.exchanges[-1].user, last)
+        results.append((case, answers[k - 1]))
+    _check(results)
 
     # A session saved after the fact, resumed by a second process: remembers; six more
     # exchanges later the window has dropped it.

@@ -1,6 +1,6 @@
 """Does `tiny-chat` remember? Seed 002's memory scenario on chats the training never saw.
 
-    python -m train.evaluate [--n 120] [--path session|stateless]
+    python -m train.evaluate [--n 120] [--path session|stateless|resumed]
 
 Each case (`data.memory_chat`, seeded by `data.TEST_SEED`) states a fact in its first message,
 chats about other things for `gap` exchanges, then asks for the fact: inside the six-exchange
@@ -77,7 +77,31 @@ def via_stateless(eng, case: Case) -> str:
     return eng.chat(case.messages, max_tokens=MAX_TOKENS, max_exchanges=data.WINDOW).text
 
 
-PATHS = {"session": via_session, "stateless": via_stateless}
+def via_resumed(eng, case: Case, home: str | None = None) -> str:
+    """As `chatml chat --session` keeps a chat: the conversation up to the question (the
+    scripted exchanges, prefilled) saved in a session store, then reopened as a new process
+    would (the caches from the disk, not re-prefilled) to answer the question."""
+    import uuid
+
+    from engine.storage.store import SessionStore
+
+    store, sid = SessionStore(home), f"eval-{uuid.uuid4().hex[:12]}"
+    *history, last = case.chat.exchanges
+    chat = eng.session(case.chat.system, max_exchanges=data.WINDOW)
+    chat.history = case.chat.history(len(history))
+    chat.warm()  # the caches a finished turn leaves, up to where the next message starts
+    store.attach(sid, chat).close()
+    try:
+        with store.open(sid, eng) as stored:
+            assert stored.state_loaded, stored.state_error
+            turn = stored.session.send(last.user, max_tokens=MAX_TOKENS)
+            assert turn.stats.reused_tokens > 0, turn.stats
+            return turn.text
+    finally:
+        store.remove(sid)
+
+
+PATHS = {"session": via_session, "stateless": via_stateless, "resumed": via_resumed}
 
 
 def main(argv=None) -> int:
