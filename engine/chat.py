@@ -28,6 +28,7 @@ from .args import (
     sampling_overrides,
     speculative_options,
 )
+from .checkpoints.registry import DEFAULT_MODEL
 
 COMMANDS = {
     "/reset": "forget the conversation (the system prompt stays)",
@@ -52,7 +53,7 @@ def add_chat_parser(sub) -> None:
     c = sub.add_parser("chat", help="chat with a model (interactive, or line by line from a pipe)",
                        formatter_class=DefaultsFormatter)  # fmt: skip
     c.add_argument("--model", default=None,
-                   help="registry alias, checkpoint folder or Hub id (default: the session's, or tiny)")  # fmt: skip
+                   help="registry alias, checkpoint folder or Hub id (default: the session's, or tiny-chat)")  # fmt: skip
     c.add_argument("--quantize", type=int, choices=[8, 4], default=None,
                    help="quantize a float checkpoint at load (bits; group 64)")  # fmt: skip
     c.add_argument("--system", default=None,
@@ -500,7 +501,7 @@ def run_chat(args) -> int:
             _err(f"chatml chat: {e}")
             return 2
         model = model or store.read(args.session).options.get("model")
-    model = model or "tiny"
+    model = model or DEFAULT_MODEL
     if Path(model).is_dir():
         model = str(Path(model).resolve())  # a folder: the session must find it from anywhere
     if args.json_schema:

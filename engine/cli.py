@@ -17,6 +17,7 @@ from .args import (
     number,
     sampling_overrides,
 )
+from .checkpoints.registry import DEFAULT_MODEL
 from .runtime.batch import DEFAULT_MAX_BATCH
 
 
@@ -308,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (README: Server)")
-    s.add_argument("--model", default="tiny", help="registry alias, checkpoint folder or Hub id")
+    s.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"registry alias, checkpoint folder or Hub id (default: {DEFAULT_MODEL})")  # fmt: skip
     s.add_argument("--quantize", type=int, choices=[8, 4], default=None,
                    help="quantize a float checkpoint at load (bits; group 64)")  # fmt: skip
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")

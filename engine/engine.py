@@ -21,7 +21,7 @@ from .checkpoints.loader import (
     resolve,
     weights_nbytes,
 )
-from .checkpoints.registry import ModelEntry
+from .checkpoints.registry import DEFAULT_MODEL, ModelEntry
 from .checkpoints.tokenizer import Tokenizer
 from .runtime import memory
 from .runtime.batch import DEFAULT_MAX_BATCH, Batch
@@ -255,7 +255,7 @@ class Engine:
 
 
 def load(
-    model: str | os.PathLike = "tiny",
+    model: str | os.PathLike = DEFAULT_MODEL,
     *,
     dtype: str | None = None,
     chunked_delta: bool = True,
@@ -270,8 +270,9 @@ def load(
 ) -> Engine:
     """Load a model: a models.yaml alias, a local checkpoint folder, or a Hub id.
 
-    `"tiny"` is built on first use (offline, deterministic) under CHATML_HOME. Hub ids go
-    through the ordinary Hugging Face client and its cache (needs network the first time).
+    The embedded models (`"tiny-chat"`, the default, and `"tiny"`) are built on first use
+    (offline, deterministic) under CHATML_HOME. Hub ids go through the ordinary Hugging Face
+    client and its cache (needs network the first time).
     `dtype` overrides the registry's compute dtype for this backend (float32 on CPUs).
     Quantized checkpoints stay quantized: on CPUs their matmuls go through the native kernels
     (`kernels.native`: a GEMV over the compact weights for decode, float32 BLAS for prefill);

@@ -135,7 +135,7 @@ def test_zero_exchanges_keeps_no_history():
 def test_resume_in_a_new_process_equals_an_uninterrupted_run(tiny):
     sid = new_id("resume")
     opts = ("--system", SYSTEM, "--max-tokens", "5", "--session", sid, *GREEDY)
-    first = chatml("chat", *opts, stdin="\n".join(QUESTIONS[:3]) + "\n")
+    first = chatml("chat", "--model", "tiny", *opts, stdin="\n".join(QUESTIONS[:3]) + "\n")
     assert first.returncode == 0, first.stderr
     second = chatml("chat", *opts, stdin=QUESTIONS[3] + "\n")
     assert second.returncode == 0, second.stderr
@@ -186,7 +186,10 @@ def test_schema_validator_reports_where_the_answer_fails(tmp_path):
 
 def test_sigkill_mid_answer_keeps_the_finished_turns(tiny):
     sid = new_id("kill")
-    assert chatml("chat", "-p", "one", "--max-tokens", "2", "--session", sid).returncode == 0
+    # tiny: its random weights answer at length, so the kill lands mid-answer; the resumed
+    # session keeps the model it was made with
+    first = chatml("chat", "--model", "tiny", "-p", "one", "--max-tokens", "2", "--session", sid)
+    assert first.returncode == 0
     env = {**os.environ, "CHATML_HOME": os.environ["CHATML_HOME"]}
     child = subprocess.Popen(
         [sys.executable, "-m", "engine.cli", "chat", "--max-tokens", "400", "--session", sid],
@@ -291,7 +294,8 @@ def test_symlinked_session_folders_are_refused(tmp_path):
 @pytest.mark.parametrize("extra, verb", [(0, "fills"), (1, "exceeds"), (30_000, "exceeds")])
 def test_max_tokens_beyond_the_context_window_is_a_usage_error(tiny, extra, verb):
     window, sid = tiny.entry.context_window, new_id("window")
-    r = chatml("chat", "--max-tokens", str(window + extra), "-p", "hi", "--session", sid)
+    r = chatml("chat", "--model", "tiny", "--max-tokens", str(window + extra), "-p", "hi",
+               "--session", sid)  # fmt: skip
     assert r.returncode == 2 and not SessionStore().path(sid).exists(), r.stderr
     assert (f"--max-tokens {window + extra} {verb} the context window of tiny ({window} tokens)"
             in r.stderr)  # fmt: skip

@@ -19,6 +19,9 @@ import yaml
 
 REGISTRY_PATH = Path(__file__).resolve().parents[2] / "models.yaml"
 TEMPLATE_VARIANTS = ("qwen3.5-small", "qwen3.5", "qwen3.6")
+# The embedded model a bare `engine.load()`, `chatml chat` and `chatml serve` run: trained here
+# (train/) to remember what it is told; `tiny` (random weights) is the tests' model.
+DEFAULT_MODEL = "tiny-chat"
 
 
 class RegistryError(ValueError):
