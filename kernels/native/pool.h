@@ -1,6 +1,7 @@
 // The thread pool the native kernels (qgemv.cpp, dense.cpp) split output rows over.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -18,11 +19,17 @@ namespace chatml {
 
 // Workers spin briefly after each job (a decode step issues hundreds of small GEMVs back to
 // back), then sleep on a condition variable so an idle engine costs no CPU.
+//
+// Parts are claimed, not assigned: the caller and every worker that is awake take the next
+// unclaimed part until none is left. A worker the OS has parked (a busy machine, a sleeping
+// worker slow to wake) then costs the caller one more part of work instead of a wait for
+// that worker's next time slice. A claim names the job's generation, so a worker that wakes
+// late for a finished job claims nothing from the next one.
 class Pool {
  public:
   explicit Pool(int threads) {
     for (int i = 1; i < threads; ++i) {
-      workers_.emplace_back([this, i] { loop(i); });
+      workers_.emplace_back([this] { loop(); });
     }
   }
   ~Pool() {
@@ -48,21 +55,27 @@ class Pool {
     }
     parts = std::min(parts, size());
     std::lock_guard<std::mutex> turn(run_mutex_);
+    uint32_t generation;
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      generation = static_cast<uint32_t>(generation_.load() + 1);
       job_ = &job;
       parts_ = parts;
-      pending_.store(parts - 1);
-      generation_.fetch_add(1, std::memory_order_release);
+      done_.store(0);
+      claim_.store(pack(generation, 0), std::memory_order_release);
+      generation_.store(generation, std::memory_order_release);
     }
     wake_.notify_all();
-    job(0, parts);
-    while (pending_.load(std::memory_order_acquire) != 0) {
+    int finished = work(job, parts, generation);
+    while (done_.load(std::memory_order_acquire) + finished != parts) {
       pause();
     }
   }
 
  private:
+  static uint64_t pack(uint32_t generation, uint32_t next) {
+    return (static_cast<uint64_t>(generation) << 32) | next;
+  }
   static void pause() {
 #if defined(__x86_64__)
     _mm_pause();
@@ -70,48 +83,62 @@ class Pool {
     asm volatile("yield");
 #endif
   }
-  void loop(int index) {
-    uint64_t seen = 0;
+  // Claims and runs parts of job `generation` until none is left; returns how many it ran.
+  int work(const std::function<void(int, int)>& job, int parts, uint32_t generation) {
+    int ran = 0;
+    uint64_t seen = claim_.load(std::memory_order_acquire);
     while (true) {
-      uint64_t now = generation_.load(std::memory_order_acquire);
+      const uint32_t next = static_cast<uint32_t>(seen);
+      if (static_cast<uint32_t>(seen >> 32) != generation || next >= static_cast<uint32_t>(parts)) {
+        return ran;
+      }
+      if (claim_.compare_exchange_weak(seen, pack(generation, next + 1), std::memory_order_acq_rel)) {
+        job(static_cast<int>(next), parts);
+        ++ran;
+        seen = claim_.load(std::memory_order_acquire);
+      }
+    }
+  }
+  void loop() {
+    uint32_t seen = 0;
+    while (true) {
+      uint32_t now = generation_.load(std::memory_order_acquire);
       for (int spin = 0; now == seen && spin < 4000; ++spin) {
         pause();
         now = generation_.load(std::memory_order_acquire);
       }
-      if (now == seen) {
-        std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return generation_.load() != seen; });
-        now = generation_.load();
-      }
-      seen = now;
       const std::function<void(int, int)>* job;
       int parts;
       {
-        std::lock_guard<std::mutex> lock(mutex_);
+        std::unique_lock<std::mutex> lock(mutex_);
+        if (now == seen) {
+          wake_.wait(lock, [&] { return generation_.load() != seen; });
+        }
         if (stop_) {
           return;
         }
+        now = generation_.load();
         job = job_;
         parts = parts_;
       }
-      if (index < parts) {
-        (*job)(index, parts);
-        pending_.fetch_sub(1, std::memory_order_acq_rel);
+      seen = now;
+      if (int ran = work(*job, parts, now)) {
+        done_.fetch_add(ran, std::memory_order_acq_rel);
       }
     }
   }
 
   std::vector<std::thread> workers_;
   std::mutex run_mutex_;
-  std::mutex mutex_;
+  std::mutex mutex_;  // job_, parts_ and generation_'s changes
   std::condition_variable wake_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> pending_{0};
+  std::atomic<uint32_t> generation_{0};
+  std::atomic<uint64_t> claim_{0};  // (generation, next unclaimed part)
+  std::atomic<int> done_{0};        // parts the workers have finished
   const std::function<void(int, int)>* job_ = nullptr;
   int parts_ = 0;
   bool stop_ = false;
 };
-
 inline int default_threads() {
   if (const char* env = std::getenv("CHATML_GEMV_THREADS")) {
     int n = std::atoi(env);
