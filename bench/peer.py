@@ -97,11 +97,18 @@ def llama_bench(work: Path, path: Path, threads: int) -> dict:
     return {"prefill_tps": pp, "decode_tps": tg}
 
 
-def chatml(ckpt: Path, threads: int, config: str = "chatml") -> dict:
+def engine_env(threads: int) -> dict[str, str]:
+    """The environment of the engine's side: `threads` for OpenBLAS and the native pool, and
+    OpenBLAS free to pick this CPU's kernels (as llama.cpp picks its own)."""
     env = child_env("1")
     env["OPENBLAS_NUM_THREADS"] = env["CHATML_GEMV_THREADS"] = str(threads)  # BLAS, native pool
     for pinned in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
         env.pop(pinned, None)
+    return env
+
+
+def chatml(ckpt: Path, threads: int, config: str = "chatml") -> dict:
+    env = engine_env(threads)
     cmd = [sys.executable, "-m", "bench.throughput", "--child", config, "--model", str(ckpt),
            "--ts", str(PROMPT), "--decode", str(DECODE), "--repeats", "1"]  # fmt: skip
     res = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True)

@@ -340,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--warm-prompts", default=None, metavar="FILE",
                    help="JSON list of message arrays to prefill at start-up (system prompts, "
                         "tool sets)")  # fmt: skip
+    s.add_argument("--no-warm", action="store_true",
+                   help="no idle-time warm-up (by default, after each answer the server prefills "
+                        "that conversation's next prompt while it waits)")  # fmt: skip
     s.add_argument("--parse-special-in-content", action="store_true",
                    help="special tokens written in message text (<|im_end|>...) become control "
                         "tokens, as in transformers (default: ordinary text)")  # fmt: skip

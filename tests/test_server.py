@@ -441,3 +441,24 @@ def test_streamed_deltas_add_up_to_the_message(raw, thinking, stop):
     if "<function=f>" in raw:
         assert message.content == "Calling."
         assert [(t.name, t.arguments) for t in message.tool_calls] == [("f", {"x": 1})]
+
+
+def test_no_warm_flag_reaches_the_server(tiny, monkeypatch):
+    import engine
+    import engine.serving.server as server
+    from engine.cli import build_parser
+
+    apps = []
+
+    class Served:  # stands in for uvicorn's server: keeps the app, serves nothing
+        def __init__(self, config):
+            apps.append(config.app)
+
+        def run(self, sockets):
+            pass
+
+    monkeypatch.setattr(engine, "load", lambda *a, **k: tiny)
+    monkeypatch.setattr(server.uvicorn, "Server", Served)
+    for argv, warm in ((["serve"], True), (["serve", "--no-warm"], False)):
+        assert server.run(build_parser().parse_args([*argv, "--port", "0", "--no-disk-cache"])) == 0
+        assert apps[-1].config.warm is warm

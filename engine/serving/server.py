@@ -701,7 +701,7 @@ def _serve(args, sock, folder, sampling, api_key, speculative, shard) -> int:
             model=args.model, host=args.host, port=args.port, api_key=api_key,
             sequences=args.sequences, max_tokens=args.max_tokens, sampling=defaults,
             special_tokens_in_content="parse" if args.parse_special_in_content else "text",
-            warm_prompts=warm,
+            warm_prompts=warm, warm=not getattr(args, "no_warm", False),
         )  # fmt: skip
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
