@@ -43,7 +43,7 @@ from engine.checkpoints.tokenizer import Tokenizer
 from engine.runtime import model as model_module
 from engine.runtime.cache import RecurrentCache
 from kernels import delta_rule, gated_delta
-from train import data
+from train import data, evaluate
 from train import weights as weights_file
 
 MODEL = "tiny-chat"
@@ -155,15 +155,12 @@ def batches(samples, batch: int, rng: np.random.Generator, remap: np.ndarray):
 
 
 def held_out(n: int, tok: Tokenizer, seed: int = data.TRAIN_SEED + 100):
-    """n memory-scenario chats the training does not see (half inside the window, half
-    dropped), each as (ids, answer length, inside)."""
-    rng = np.random.default_rng(seed)
+    """n memory-scenario chats the training does not see (`evaluate.cases`, from their own
+    seed: half inside the window, half dropped), each as (ids, answer length, inside)."""
     out = []
-    for i in range(n):
-        gap = int(rng.integers(0, data.WINDOW)) if i % 2 == 0 else int(rng.integers(6, 10))
-        chat = data.memory_chat(rng, gap)
-        ids, _ = data.encode(chat, tok)
-        out.append((ids, len(tok.encode(chat.exchanges[-1].assistant)) + 1, gap < data.WINDOW))
+    for case in evaluate.cases(n, seed):
+        ids, _ = data.encode(case.chat, tok)
+        out.append((ids, len(tok.encode(case.chat.exchanges[-1].assistant)) + 1, case.inside))
     return out
 
 
