@@ -40,6 +40,28 @@ def openai_client(srv, key: str = "unused"):
     return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
+def serve_app(monkeypatch, eng, argv: list[str]):
+    """The app `chatml serve ARGV` would serve, built through the real parser and start-up on
+    `eng` (engine.load stubbed), with uvicorn's server replaced by one that serves nothing."""
+    import engine
+    import engine.serving.server as server
+    from engine.cli import build_parser
+
+    apps = []
+
+    class Served:  # stands in for uvicorn's server: keeps the app, serves nothing
+        def __init__(self, config):
+            apps.append(config.app)
+
+        def run(self, sockets):
+            pass
+
+    monkeypatch.setattr(engine, "load", lambda *a, **k: eng)
+    monkeypatch.setattr(server.uvicorn, "Server", Served)
+    assert server.run(build_parser().parse_args(["serve", *argv, "--port", "0"])) == 0
+    return apps[-1]
+
+
 @functools.cache
 def mlx_lm_model(path: str | Path):
     """mlx-lm's own model for a checkpoint folder, once per folder per run. Without the

@@ -13,7 +13,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers import SERVER_WINDOW
+from helpers import SERVER_WINDOW, serve_app
 from helpers import openai_client as client
 
 from engine.checkpoints.tokenizer import StreamDecoder
@@ -444,21 +444,5 @@ def test_streamed_deltas_add_up_to_the_message(raw, thinking, stop):
 
 
 def test_no_warm_flag_reaches_the_server(tiny, monkeypatch):
-    import engine
-    import engine.serving.server as server
-    from engine.cli import build_parser
-
-    apps = []
-
-    class Served:  # stands in for uvicorn's server: keeps the app, serves nothing
-        def __init__(self, config):
-            apps.append(config.app)
-
-        def run(self, sockets):
-            pass
-
-    monkeypatch.setattr(engine, "load", lambda *a, **k: tiny)
-    monkeypatch.setattr(server.uvicorn, "Server", Served)
-    for argv, warm in ((["serve"], True), (["serve", "--no-warm"], False)):
-        assert server.run(build_parser().parse_args([*argv, "--port", "0", "--no-disk-cache"])) == 0
-        assert apps[-1].config.warm is warm
+    for argv, warm in (([], True), (["--no-warm"], False)):
+        assert serve_app(monkeypatch, tiny, [*argv, "--no-disk-cache"]).config.warm is warm

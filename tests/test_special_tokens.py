@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 import openai
 import pytest
-from helpers import QUESTIONS, fresh_greedy
+from helpers import QUESTIONS, fresh_greedy, serve_app
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_renderer_support import (  # noqa: E402
@@ -436,22 +436,5 @@ def test_chat_cli_default_and_flag(tok):
 
 
 def test_serve_flag_reaches_the_renderer(tiny, monkeypatch):
-    import engine
-    import engine.serving.server as server
-    from engine.cli import build_parser
-
-    apps = []
-
-    class Served:  # stands in for uvicorn's server: keeps the app, serves nothing
-        def __init__(self, config):
-            apps.append(config.app)
-
-        def run(self, sockets):
-            pass
-
-    monkeypatch.setattr(engine, "load", lambda *a, **k: tiny)
-    monkeypatch.setattr(server.uvicorn, "Server", Served)
-    for argv, text_spans in ((["serve"], True), (["serve", "--parse-special-in-content"], False)):
-        args = build_parser().parse_args([*argv, "--port", "0"])
-        assert server.run(args) == 0
-        assert apps[-1].renderer.text_spans is text_spans
+    for argv, text_spans in (([], True), (["--parse-special-in-content"], False)):
+        assert serve_app(monkeypatch, tiny, argv).renderer.text_spans is text_spans
