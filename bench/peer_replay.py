@@ -48,7 +48,8 @@ def _free_port() -> int:
 
 
 def _wait_ready(port: int, proc: subprocess.Popen, name: str, timeout: float = 600) -> None:
-    """Poll GET /health until it answers 200 (the model loaded), or fail with the log's tail."""
+    """Poll GET /health until it answers 200 (the model loaded); fail naming the server if it
+    exits or is not ready in time (its log is in the work folder)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

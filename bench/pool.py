@@ -80,14 +80,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.child is not None:
-        import engine  # noqa: F401  (the BLAS before mlx, as everywhere)
+    import engine  # noqa: F401  (the BLAS before mlx, as everywhere; conditions() reports it)
 
+    if args.child is not None:
         print(json.dumps(_time_steps(args.child or None, args.steps)))
         return 0
-
-    import engine  # noqa: F401
-
     modules = [None, *args.module]
     rows = []
     for busy in (False, True):

@@ -196,6 +196,9 @@ def test_two_threads_at_once(mod):
     assert not errors
 
 
+SHAPES = ((1024, 2048), (640, 1024))  # test_more_workers_than_cores: two jobs, alternated
+
+
 def test_more_workers_than_cores(mod):
     """Eight pool threads on this machine's cores: workers are parked by the OS all the time,
     wake late for jobs already done, and race the caller for parts. Every one of 400 jobs (two
@@ -203,15 +206,14 @@ def test_more_workers_than_cores(mod):
     the first, which is within the float64 reference's bound."""
     code = """
 import sys
+sys.path.insert(0, "tests")
+import engine
 import mlx.core as mx, numpy as np
 from kernels import native
+from test_native import SHAPES, case
 m = native.module()
 assert m.threads() == 8, m.threads()
-keys = mx.random.split(mx.random.key(3), 4)
-jobs = []
-for (n, k), key_w, key_x in zip(((1024, 2048), (640, 1024)), keys[:2], keys[2:]):
-    w, s, b = mx.quantize(mx.random.normal((n, k), key=key_w), group_size=64, bits=8)
-    jobs.append((mx.random.normal((1, k), key=key_x), w, s, b))
+jobs = [case(n, k, 64, 8, mx.float32, seed=3 + i) for i, (n, k) in enumerate(SHAPES)]
 first = [np.array(m.quantized_gemv(*job, 64, 8)) for job in jobs]
 for i in range(400):
     y = np.array(m.quantized_gemv(*jobs[i % 2], 64, 8))
@@ -226,9 +228,7 @@ for y in first:
     import io
 
     out = io.BytesIO(run.stdout)
-    keys = mx.random.split(mx.random.key(3), 4)
-    for (n, k), key_w, key_x in zip(((1024, 2048), (640, 1024)), keys[:2], keys[2:]):
-        w, s, b = mx.quantize(mx.random.normal((n, k), key=key_w), group_size=64, bits=8)
-        ref, mag = reference(mx.random.normal((1, k), key=key_x), w, s, b, 64, 8)
+    for i, (n, k) in enumerate(SHAPES):
+        ref, mag = reference(*case(n, k, 64, 8, mx.float32, seed=3 + i), 64, 8)
         err = np.abs(np.load(out).astype(np.float64) - ref)
         assert (err <= REL * mag).all()

@@ -139,6 +139,7 @@ class Pool {
   int parts_ = 0;
   bool stop_ = false;
 };
+
 inline int default_threads() {
   if (const char* env = std::getenv("CHATML_GEMV_THREADS")) {
     int n = std::atoi(env);
