@@ -10,10 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["gated_delta", "gated_delta_reference", "gated_delta_rows", "unit_lower_inverse"]
+__all__ = [
+    "gated_delta",
+    "gated_delta_kept",
+    "gated_delta_reference",
+    "gated_delta_rows",
+    "unit_lower_inverse",
+]
 
 _LAZY = {
     "gated_delta": "kernels.delta_rule",
+    "gated_delta_kept": "kernels.delta_rule",
     "gated_delta_rows": "kernels.delta_rule",
     "gated_delta_reference": "kernels.reference",
     "unit_lower_inverse": "kernels.triangular",

@@ -16,6 +16,8 @@ overflows or loses precision when g is close to 0 or 1.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 
 from kernels.choice import MAX_STEP_T, MIN_CHUNKED_T, choose, device_kind
@@ -23,7 +25,7 @@ from kernels.triangular import unit_lower_inverse
 
 CHUNK = 64
 
-__all__ = ["CHUNK", "MIN_CHUNKED_T", "gated_delta", "gated_delta_rows"]
+__all__ = ["CHUNK", "MIN_CHUNKED_T", "gated_delta", "gated_delta_kept", "gated_delta_rows"]
 
 
 def gated_delta(
@@ -86,7 +88,46 @@ def gated_delta(
         return y.astype(q.dtype), state
     if method != "chunked":
         raise ValueError(f"unknown method {method!r}")
-    return _chunked(q, k, v, g, beta, state, inverse)
+    y, state, _ = _chunked(q, k, v, g, beta, state, inverse)
+    return y, state
+
+
+def gated_delta_kept(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array | None,
+    keep: Sequence[int],
+    *,
+    method: str = "auto",
+) -> tuple[mx.array, mx.array, list[mx.array]]:
+    """``gated_delta``, plus the state after each of the first `keep[i]` steps (0 < keep[i] < T,
+    increasing): the snapshots a prefill takes at ChatML boundaries inside a chunk.
+
+    The chunked path reads them off the pass over the whole sequence (one small matmul each,
+    see ``_chunked``); splitting the sequence at each of them instead would pad every piece to a
+    whole chunk (a 300-token prefill with 14 snapshots cost 1.6x one without). Other methods
+    go from one kept position to the next.
+    """
+    T = q.shape[1]
+    keep = list(keep)
+    if any(not 0 < a < T for a in keep) or keep != sorted(set(keep)):
+        raise ValueError(f"keep must be increasing positions inside (0, {T}), got {keep}")
+    if state is None:
+        state = mx.zeros((q.shape[0], *v.shape[2:], q.shape[-1]), dtype=mx.float32)
+    if _resolve(method, q, v) == "chunked":
+        return _chunked(q, k, v, g, beta, state, keep=keep)
+    ys, kept, start = [], [], 0
+    for end in [*keep, T]:
+        seg = slice(start, end)
+        args = (x[:, seg] for x in (q, k, v, g, beta))
+        y, state = gated_delta(*args, state, method=method)
+        ys.append(y)
+        kept.append(state)
+        start = end
+    return (ys[0] if len(ys) == 1 else mx.concatenate(ys, axis=1)), state, kept[:-1]
 
 
 def gated_delta_rows(
@@ -217,7 +258,9 @@ def _chunked(
     beta: mx.array,
     state: mx.array,
     inverse: str = "auto",
-) -> tuple[mx.array, mx.array]:
+    keep: Sequence[int] = (),
+) -> tuple[mx.array, mx.array, list[mx.array]]:
+    """y, the final state, and the states after the first `keep[i]` steps."""
     out_dtype = q.dtype
     f32 = mx.float32
     B, T, Hk, Dk = q.shape
@@ -264,12 +307,19 @@ def _chunked(
     wq = mx.concatenate([w, q_eff], axis=-2)  # [B, H, N, 2C, Dk]
 
     s = state.astype(f32)  # [B, H, Dv, Dk]
-    ys = []
+    ys, kept = [], []
     for n in range(N):
         r = wq[:, :, n] @ s.swapaxes(-1, -2)  # [B, H, 2C, Dv]
         u = u0[:, :, n] - r[:, :, :C]  # [B, H, C, Dv]
         ys.append(y_intra[:, :, n] + r[:, :, C:])
+        for j in (p - n * C for p in keep if n * C < p < (n + 1) * C):
+            # after j steps of this chunk: S_j = Gamma_{j-1} S0 + U[:j]^T diag(D[j-1, :j]) K[:j]
+            k_j = k[:, :, n, :j] * decay[:, :, n, j - 1, :j, None]
+            s_j = s * gamma[:, :, n, j - 1, None, None] + u[:, :, :j].swapaxes(-1, -2) @ k_j
+            kept.append(s_j)
         s = s * g_chunk[:, :, n, None, None] + u.swapaxes(-1, -2) @ k_dec[:, :, n]
+        if (n + 1) * C in keep:
+            kept.append(s)
     y = mx.stack(ys, axis=2)  # [B, H, N, C, Dv]
     y = y.transpose(0, 2, 3, 1, 4).reshape(B, N * C, Hv, Dv)[:, :T]
-    return y.astype(out_dtype), s
+    return y.astype(out_dtype), s, kept

@@ -14,6 +14,7 @@ import mlx.core as mx  # noqa: E402
 
 from kernels import (  # noqa: E402
     gated_delta,
+    gated_delta_kept,
     gated_delta_reference,
     gated_delta_rows,
     native,
@@ -87,6 +88,36 @@ def test_auto_and_sequential_match_reference(T: int) -> None:
     inputs = make_inputs(T, Hv=4, with_state=True, seed=1)
     assert_close(inputs, method="auto")
     assert_close(inputs, method="sequential")
+
+
+@pytest.mark.parametrize(
+    "T, keep, method",
+    [
+        (200, [1, 20, 63, 64, 65, 128, 150, 199], "chunked"),  # inside, at and after chunk ends
+        (70, [64], "chunked"),
+        (130, [5, 6, 7, 129], "auto"),
+        (12, [1, 5, 11], "auto"),  # short: one piece after another (fused or step)
+        (40, [3, 39], "sequential"),
+    ],
+)
+@pytest.mark.parametrize("Hv", [2, 4])
+def test_kept_states_match_the_reference_at_each_position(T, keep, method, Hv) -> None:
+    q, k, v, g, beta, state = make_inputs(T, Hv=Hv, with_state=True, seed=T + Hv)
+    y, s, kept = gated_delta_kept(q, k, v, g, beta, state, keep, method=method)
+    y_ref, s_ref = gated_delta_reference(q, k, v, g, beta, state)
+    wanted = [gated_delta_reference(q[:, :p], k[:, :p], v[:, :p], g[:, :p], beta[:, :p], state)[1]
+              for p in keep]  # fmt: skip
+    assert len(kept) == len(keep)
+    for got, ref in [(y, y_ref), (s, s_ref), *zip(kept, wanted)]:
+        assert got.shape == ref.shape
+        err = np.abs(np.array(got, dtype=np.float64) - ref).max()
+        assert err <= TOL * np.abs(ref).max(), err
+
+
+@pytest.mark.parametrize("keep", [[0], [5, 3], [4, 4], [12], [-1]])
+def test_kept_positions_must_be_inside_and_increasing(keep) -> None:
+    with pytest.raises(ValueError, match="keep must be increasing"):
+        gated_delta_kept(*make_inputs(12), keep)
 
 
 @pytest.mark.parametrize("g_range", [(1e-4, 1e-2), (0.2, 0.6), (0.999, 1.0), (1.0, 1.0)])

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels import gated_delta, gated_delta_rows
+from kernels import gated_delta_kept, gated_delta_rows
 from kernels.activations import conv_silu, mul_sigmoid, silu_mul
 from kernels.attention import attention
 
@@ -98,16 +98,13 @@ class GatedDeltaNet(nn.Module):
         state = cache.state
         if state is None:
             state = mx.zeros((B, self.hv, self.dv, self.dk), dtype=mx.float32)
-        # The recurrence runs in segments split at the positions the caller wants snapshots of
-        # (cache.capture): the projections and MLPs still see the whole chunk at once.
-        ys, start = [], 0
-        for cut in [c for c in cache.capture if 0 < c < T] + [T]:
-            y, state = self._delta(q, k, v, g, beta, state, start, cut)
-            ys.append(y)
-            if cut < T:  # the conv tail at `cut` is the K-1 inputs before it
-                cache.record(cut, _tail(window, cut, self.kernel - 1), state)
-            start = cut
-        y = ys[0] if len(ys) == 1 else mx.concatenate(ys, axis=1)
+        # The states at the positions the caller wants snapshots of (cache.capture) come from
+        # the same pass over the chunk.
+        keep = sorted({c for c in cache.capture if 0 < c < T})
+        method = "auto" if self.options.chunked_delta else "sequential"
+        y, state, kept = gated_delta_kept(q, k, v, g, beta, state, keep, method=method)
+        for cut, at in zip(keep, kept):  # the conv tail at `cut` is the K-1 inputs before it
+            cache.record(cut, _tail(window, cut, self.kernel - 1), at)
         cache.update(_tail(window, T, self.kernel - 1), state, T)
 
         z = self.in_proj_z(x).reshape(B, T, self.hv, self.dv)
@@ -142,14 +139,6 @@ class GatedDeltaNet(nn.Module):
         y = _rms_norm(y, self.norm.weight, self.eps)
         y = silu_mul(z.astype(f32), y.astype(f32), native=native).astype(x.dtype)
         return self.out_proj(y.reshape(B, -1)), mx.contiguous(window[:, 1:]), states
-
-    def _delta(self, q, k, v, g, beta, state, start: int, end: int):
-        """The gated delta rule over positions [start, end) of the chunk."""
-        seg = slice(start, end)
-        q, k, v, g, beta = q[:, seg], k[:, seg], v[:, seg], g[:, seg], beta[:, seg]
-        # "auto": kernels.choice picks per device, head shape and length (decode included).
-        method = "auto" if self.options.chunked_delta else "sequential"
-        return gated_delta(q, k, v, g, beta, state, method=method)
 
 
 def _tail(window: mx.array, start: int, n: int) -> mx.array:

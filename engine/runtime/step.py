@@ -5,9 +5,9 @@ decode, k+1 to verify a draft, a chunk to prefill). `forward` feeds every row's 
 pass and returns, per row, the logits at the trailing positions the row asked for and a `Mark`:
 what `rollback` needs to bring the row's caches back to the step's start or to any position
 the row asked to keep. The attention KV cache rolls back by moving its offset; the Gated
-DeltaNet conv tail and state cannot be rewound, so the step records them where asked (inside
-one pass: the layer splits only its recurrence there). `accepted` is the acceptance rule: how
-many proposed tokens stand.
+DeltaNet conv tail and state cannot be rewound, so the step records them where asked, inside
+one pass (`kernels.gated_delta_kept`). `accepted` is the acceptance rule: how many proposed
+tokens stand.
 
 Rows that each decode one token run as one batched pass (the scheduler in `batch.py` makes
 such steps); any other mix runs row by row at batch 1. Sharding wraps this function alone.
