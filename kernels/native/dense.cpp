@@ -142,7 +142,7 @@ void generic_gemv(const float* x, const float* w, float* y, int M, int N, int K,
 constexpr int W = Vec::kWidth;
 constexpr int kPanel = 24;  // weight rows per panel: a multiple of every weight_rows(mb)
 constexpr int kBlockBytes = 24 << 10;  // a column block of the MB rows of x: stays in L1
-constexpr int kPrefetch = 32;          // vectors ahead in a weight row to prefetch (2 KiB)
+constexpr int kPrefetchTiles = 2;      // tiles of weight rows ahead to prefetch (see step)
 
 // The layout both operands are walked in. Weight rows start `phase` floats past a 64-byte
 // boundary (MLX's allocator hands out buffers 24 bytes past one), so each row is read from
@@ -182,8 +182,9 @@ inline void step(typename Vec::T (&acc)[R][MB], const float* w, const float* x,
   for (int r = 0; r < R; ++r) {
     const float* p = w + r * l.ldw + static_cast<size_t>(v) * W;
     wv[r] = MASKED ? Vec::load(p, mask) : Vec::load(p);
-    // the hardware prefetcher loses track of rows read a block at a time
-    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch * W), _MM_HINT_T0);
+    // The hardware prefetcher loses track of rows read a tile at a time (R rows of 4 KiB
+    // interleaved, for K = 1024): fetch the same bytes of the rows two tiles ahead into L2.
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchTiles * R * l.ldw), _MM_HINT_T1);
   }
   for (int m = 0; m < MB; ++m) {
     typename Vec::T xv = Vec::load(x + m * l.ldx + static_cast<size_t>(v) * W);
