@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))  # train/ is not installed
 from train import data, evaluate  # noqa: E402
 
 N = 100  # cases per path (half inside the window, half dropped)
+PIPE_CASES = 40  # of them through the CLI pipe
 STATS = re.compile(r"^\[prompt \d+ tok: reused \d+, prefilled \d+; generated \d+;", re.M)
 
 
@@ -226,7 +227,10 @@ def test_readme_first_command_remembers():
 
 def test_cli_pipe_and_resumed_session(cases):
     """The CLI pipe (conversations separated by /reset), and a `--session` resumed by a
-    second process."""
+    second process. The pipe takes the first PIPE_CASES cases (inside and dropped alternate):
+    it is the Session path of `test_session_turn_by_turn_with_its_own_answers` behind the
+    CLI's input and output, ~0.1 s a turn."""
+    cases = cases[:PIPE_CASES]
     script = "".join("".join(e.user + "\n" for e in c.chat.exchanges) + "/reset\n" for c in cases)
     r = chatml("chat", "--model", "tiny-chat", "--max-tokens", str(evaluate.MAX_TOKENS),
                stdin=script)  # fmt: skip
