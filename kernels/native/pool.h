@@ -46,14 +46,14 @@ class Pool {
   int size() const {
     return static_cast<int>(workers_.size()) + 1;
   }
-  // Runs job(part, parts) for part in [0, parts) and returns when all are done. Callers
+  // Runs job(part, parts) for part in [0, parts) and returns when all are done. More parts
+  // than threads balance the load: whoever is free claims the next. Callers
   // on different MLX streams (threads) take turns: there is one job slot.
   void run(const std::function<void(int, int)>& job, int parts) {
     if (parts <= 1 || workers_.empty()) {
       job(0, 1);
       return;
     }
-    parts = std::min(parts, size());
     std::lock_guard<std::mutex> turn(run_mutex_);
     uint32_t generation;
     {

@@ -108,6 +108,18 @@ static inline void rows_avx512(const uint8_t* w, size_t stride, const S* scales,
     bias_part[r] = 0.0f;
   }
   const __m512i low = _mm512_set1_epi32(15);
+  // The scales and biases of the rows as many passes ahead: R rows of them are contiguous,
+  // and a demand miss on them stalls every group's epilogue.
+  if (R > 1) {
+    const size_t ahead = static_cast<size_t>(kPrefetchPasses) * R * groups_stride;
+    const size_t bytes = static_cast<size_t>(R) * groups_stride * sizeof(S);
+    const uint8_t* sp = reinterpret_cast<const uint8_t*>(scales + ahead);
+    const uint8_t* bp = reinterpret_cast<const uint8_t*>(biases + ahead);
+    for (size_t at = 0; at < bytes; at += 64) {
+      prefetch_l2(sp + at);
+      prefetch_l2(bp + at);
+    }
+  }
   for (int g = 0; g < groups; ++g) {
     const float* x = xs + g * gs;
     __m512 acc[R][2];
@@ -234,6 +246,8 @@ static bool use_generic() {
   return env != nullptr && std::string(env) == "generic";
 }
 
+constexpr int kPartsPerThread = 4;
+
 template <int BITS, typename S>
 void gemv(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y, int M,
           int N, int K, int gs) {
@@ -297,9 +311,10 @@ void gemv(const float* x, const uint8_t* w, const S* scales, const S* biases, fl
       }
     }
   };
-  // Small matrices are not worth waking the pool.
+  // Small matrices are not worth waking the pool; large ones are cut finer than the threads,
+  // so a thread that starts late (a wake-up, the OS) does not leave the others waiting.
   size_t bytes = row_bytes * N;
-  int parts = bytes < (64u << 10) ? 1 : pool().size();
+  int parts = bytes < (64u << 10) ? 1 : pool().size() * (bytes < (1u << 20) ? 1 : kPartsPerThread);
   pool().run(job, parts);
 }
 
