@@ -298,9 +298,7 @@ void simd_gemv(const float* x, const float* w, float* y, int M, int N, int K) {
       }
     }
   };
-  const size_t bytes = static_cast<size_t>(N) * K * sizeof(float);
-  const int parts = bytes < (64u << 10) ? 1 : pool().size();  // small: not worth a wake-up
-  pool().run(job, parts);
+  pool().run(job, parts_for(static_cast<size_t>(N) * K * sizeof(float)));
 }
 constexpr bool kSimd = true;
 #else
@@ -326,8 +324,7 @@ void dense_gemv_impl(const float* x, const float* w, float* y, int M, int N, int
     int n0 = std::min(N, part * chunk), n1 = std::min(N, n0 + chunk);
     generic_gemv(x, w, y, M, N, K, n0, n1);
   };
-  const size_t bytes = static_cast<size_t>(N) * K * sizeof(float);
-  pool().run(job, bytes < (64u << 10) ? 1 : pool().size());
+  pool().run(job, parts_for(static_cast<size_t>(N) * K * sizeof(float)));
 }
 
 class DenseGemv : public UnaryPrimitive {

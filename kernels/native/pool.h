@@ -157,4 +157,14 @@ inline Pool& pool() {
   return p;
 }
 
+// How many parts to cut a job that streams `bytes` of weights into: one below 64 KiB (not
+// worth a wake-up), one a thread below 1 MiB, and above that four a thread, so a thread that
+// starts late (a wake-up, the OS) does not leave the others waiting at the end.
+inline int parts_for(size_t bytes) {
+  if (bytes < (64u << 10)) {
+    return 1;
+  }
+  return pool().size() * (bytes < (1u << 20) ? 1 : 4);
+}
+
 }  // namespace chatml

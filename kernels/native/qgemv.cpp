@@ -246,8 +246,6 @@ static bool use_generic() {
   return env != nullptr && std::string(env) == "generic";
 }
 
-constexpr int kPartsPerThread = 4;
-
 template <int BITS, typename S>
 void gemv(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y, int M,
           int N, int K, int gs) {
@@ -311,11 +309,7 @@ void gemv(const float* x, const uint8_t* w, const S* scales, const S* biases, fl
       }
     }
   };
-  // Small matrices are not worth waking the pool; large ones are cut finer than the threads,
-  // so a thread that starts late (a wake-up, the OS) does not leave the others waiting.
-  size_t bytes = row_bytes * N;
-  int parts = bytes < (64u << 10) ? 1 : pool().size() * (bytes < (1u << 20) ? 1 : kPartsPerThread);
-  pool().run(job, parts);
+  pool().run(job, parts_for(row_bytes * N));
 }
 
 template <typename S>
