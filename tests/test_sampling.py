@@ -113,3 +113,46 @@ def test_bad_options_fail_up_front_naming_the_option(tiny, options, name):
 def test_every_seed_mlx_takes_is_accepted(seed):
     sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
     assert 0 <= int(sampler(mx.zeros(8), [])) < 8
+
+
+def cuts_reference(logits, temperature, top_k, min_p, top_p) -> np.ndarray:
+    """The kept logits of a sampled pick, from the definitions in float64: `logits /
+    temperature`; top-k keeps every value >= the k-th largest (ties at the k-th stay); min-p
+    drops probabilities below min_p x the largest; top-p keeps the most probable tokens until
+    their mass reaches top_p (the first always stays)."""
+    x = np.asarray(logits, dtype=np.float64) / temperature
+    if top_k:
+        kth = np.sort(x)[::-1][min(top_k, len(x)) - 1]
+        x = np.where(x < kth, -np.inf, x)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if min_p:
+        x = np.where(p < min_p * p.max(), -np.inf, x)
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        before = np.cumsum(p[order]) - p[order]
+        drop = np.zeros(len(x), dtype=bool)
+        drop[order] = before >= top_p
+        x = np.where(drop, -np.inf, x)
+    return x
+
+
+# (top_k, min_p, top_p)
+CUTS = [(20, 0.0, 1.0), (5, 0.0, 0.8), (1, 0.0, 1.0), (300, 0.0, 1.0), (0, 0.1, 1.0),
+        (0, 0.0, 0.9), (20, 0.05, 0.95)]  # fmt: skip
+
+
+@pytest.mark.parametrize("top_k, min_p, top_p", CUTS)
+def test_cuts_match_numpy(top_k, min_p, top_p):
+    """top-k / min-p / top-p keep the same tokens as the float64 reference, with ties at the
+    k-th value (quantized logits) and k beyond the vocabulary."""
+    rng = np.random.default_rng(top_k + 11)
+    logits = np.round(rng.normal(0.0, 2.0, 257), 1).astype(np.float32)  # many ties
+    params = SamplingParams(temperature=0.7, top_k=top_k, min_p=min_p, top_p=top_p)
+    got = np.array(Sampler(params).final_logits(mx.array(logits)), dtype=np.float64)
+    want = cuts_reference(logits, 0.7, top_k, min_p, top_p)
+    assert (np.isinf(got) == np.isinf(want)).all()
+    kept = ~np.isinf(want)
+    assert kept.sum() >= 1 and np.allclose(got[kept], want[kept], rtol=1e-6)
+    if top_k and top_p == 1.0 and not min_p:
+        assert kept.sum() >= min(top_k, len(logits))  # ties at the k-th value stay
