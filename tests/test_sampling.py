@@ -118,8 +118,8 @@ def test_every_seed_mlx_takes_is_accepted(seed):
 def cuts_reference(logits, temperature, top_k, min_p, top_p) -> np.ndarray:
     """The kept logits of a sampled pick, from the definitions in float64: `logits /
     temperature`; top-k keeps every value >= the k-th largest (ties at the k-th stay); min-p
-    drops probabilities below min_p x the largest; top-p keeps the most probable tokens until
-    their mass reaches top_p (the first always stays)."""
+    drops probabilities below min_p x the largest; top-p keeps each token whose more probable
+    tokens hold less than top_p of the mass (so the first stays, and ties stay together)."""
     x = np.asarray(logits, dtype=np.float64) / temperature
     if top_k:
         kth = np.sort(x)[::-1][min(top_k, len(x)) - 1]
@@ -129,11 +129,8 @@ def cuts_reference(logits, temperature, top_k, min_p, top_p) -> np.ndarray:
     if min_p:
         x = np.where(p < min_p * p.max(), -np.inf, x)
     if top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        before = np.cumsum(p[order]) - p[order]
-        drop = np.zeros(len(x), dtype=bool)
-        drop[order] = before >= top_p
-        x = np.where(drop, -np.inf, x)
+        before = np.array([p[p > q].sum() for q in p])
+        x = np.where(before >= top_p, -np.inf, x)
     return x
 
 
@@ -156,3 +153,13 @@ def test_cuts_match_numpy(top_k, min_p, top_p):
     assert kept.sum() >= 1 and np.allclose(got[kept], want[kept], rtol=1e-6)
     if top_k and top_p == 1.0 and not min_p:
         assert kept.sum() >= min(top_k, len(logits))  # ties at the k-th value stay
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_top_p_keeps_tokens_tied_at_the_boundary_together(top_k):
+    """Probabilities 0.5, 0.2, 0.2, 0.1 at top_p 0.6: both 0.2 tokens have 0.5 of more
+    probable mass before them, so both stay whatever order a sort puts them in; 0.1 goes."""
+    logits = mx.log(mx.array([0.2, 0.5, 0.1, 0.2]))
+    params = SamplingParams(temperature=1.0, top_p=0.6, top_k=top_k)
+    kept = ~mx.isinf(Sampler(params).final_logits(logits))
+    assert kept.tolist() == [True, True, False, True]

@@ -356,13 +356,16 @@ class Sampler:
         if p.min_p:
             logits = mx.where(probs < p.min_p * probs.max(), -mx.inf, logits)
         if p.top_p < 1.0:
-            order = mx.argsort(-probs)
-            sorted_probs = probs[order]
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-            drop_sorted = (mx.cumsum(sorted_probs) - sorted_probs) >= p.top_p
-            drop = mx.zeros_like(drop_sorted)
-            drop[order] = drop_sorted
-            logits = mx.where(drop, -mx.inf, logits)
+            # Keep each token whose more probable tokens hold less than top_p of the mass (the
+            # first always stays; tokens tied at the boundary stay together). That is every
+            # probability >= tau, the smallest value whose predecessors in descending order
+            # hold less than top_p. After a top-k cut only k values can be kept, so only they
+            # are sorted: 20 values instead of a 248k argsort and scatter (32 ms a token).
+            values = mx.topk(probs, min(p.top_k, probs.shape[0])) if p.top_k else probs
+            ranked = mx.sort(values)[::-1]
+            before = mx.cumsum(ranked) - ranked
+            tau = mx.min(mx.where(before < p.top_p, ranked, mx.inf))
+            logits = mx.where(probs < tau, -mx.inf, logits)
         return logits
 
     def subkey(self) -> mx.array | None:
