@@ -1,0 +1,20 @@
+"""Smoke test of the sampling benchmark on a small vocabulary: every configuration timed on
+both sides, and the JSON line printed."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from bench import sampling
+
+
+def test_every_cut_is_timed_for_both_and_reported(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["chatml bench sampling", "--vocab", "1000", "--repeats", "2"])
+    sampling.main()
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["bench"] == "sampling" and r["vocab"] == 1000
+    assert r["sampling"]["greedy_argmax_ms"] > 0
+    assert set(r["sampling"]) == {"greedy_argmax_ms", *sampling.CUTS}
+    for name in sampling.CUTS:
+        assert r["sampling"][name]["chatml_ms"] > 0 and r["sampling"][name]["mlx_lm_ms"] > 0
