@@ -20,10 +20,13 @@ SHARED_NAMES = {
 VARIANT_NAMES = tuple(SHARED_NAMES)
 
 
+TEMPLATES = REPO / "engine" / "checkpoints" / "templates"  # the engine's copies
+
+
 def template_path(variant: str) -> Path:
     """The official template: the shared reference copy, else the engine's copy."""
     shared = SHARED / SHARED_NAMES[variant]
-    return shared if shared.exists() else REPO / "engine" / "templates" / f"{variant}.jinja"
+    return shared if shared.exists() else TEMPLATES / f"{variant}.jinja"
 
 
 @functools.cache
