@@ -212,6 +212,61 @@ def test_a_checkpoint_without_the_head_is_refused_clearly(tiny, tmp_path, capsys
     assert "needs the checkpoint's MTP head" in capsys.readouterr().err
 
 
+EXPERT = "mtp.layers.0.mlp.experts."
+PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def test_a_moe_head_stored_per_expert_loads_as_its_fused_twin_and_drafts_exactly(
+    tiny_moe, tmp_path
+):
+    """Qwen3.5-35B-A3B stores its decoder layers' routed experts fused and its MTP layer's
+    one tensor per expert (`mtp.layers.0.mlp.experts.{e}.gate_proj.weight` ...). The builder
+    writes that; the loader stacks them in expert order, the same head written fused loads
+    to the same weights, and drafting with it answers as plain decoding does."""
+    import shutil
+
+    from mlx.utils import tree_flatten
+
+    n = tiny_moe.model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0]  # experts
+    w = load_file(str(tiny_moe.path / "model.safetensors"))
+    assert "model.language_model.layers.3.mlp.experts.gate_up_proj" in w  # decoder: fused
+    assert {k for k in w if k.startswith(EXPERT)} == {
+        f"{EXPERT}{e}.{p}.weight" for e in range(n) for p in PROJS
+    }
+    fused = {k: v for k, v in w.items() if not k.startswith(EXPERT)}
+    fused[EXPERT + "gate_up_proj"] = np.stack(
+        [np.concatenate([w[f"{EXPERT}{e}.gate_proj.weight"], w[f"{EXPERT}{e}.up_proj.weight"]])
+         for e in range(n)]
+    )  # fmt: skip
+    fused[EXPERT + "down_proj"] = np.stack([w[f"{EXPERT}{e}.down_proj.weight"] for e in range(n)])
+    twin = tmp_path / "fused"
+    shutil.copytree(tiny_moe.path, twin)
+    save_file(fused, str(twin / "model.safetensors"), metadata={"format": "pt"})
+
+    eng = engine.load(str(tiny_moe.path), speculative="mtp", num_draft=3)
+    switch = eng.model.mtp.layers[0].mlp.switch_mlp
+    for p in PROJS:  # expert e is row e of the stack, against the file read by numpy
+        want = np.stack([w[f"{EXPERT}{e}.{p}.weight"] for e in range(n)])
+        np.testing.assert_array_equal(np.array(getattr(switch, p).weight), want)
+    ours = dict(tree_flatten(eng.model.parameters()))
+    theirs = dict(tree_flatten(engine.load(str(twin), speculative="mtp").model.parameters()))
+    assert ours.keys() == theirs.keys()
+    assert all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)
+
+    eng.speculative = Speculation(MTPDrafter, 3, adaptive=False)
+    s = eng.session("You are terse.", max_exchanges=1)
+    turns = [s.send(q, max_tokens=8) for q in QUESTIONS[:3]]  # the third trims
+    for turn in turns:
+        assert turn.token_ids == fresh_greedy(eng, turn.prompt_ids, 8)[0]
+        assert turn.stats.drafted_tokens > 0
+
+    del w[f"{EXPERT}{n - 1}.up_proj.weight"]  # one expert short: refused, naming the set
+    save_file(w, str(twin / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"fused: mtp.layers.0.mlp.experts.N.up_proj.weight: "
+                       rf"need one tensor for each of the {n} experts, found {n - 1}"):  # fmt: skip
+        engine.load(str(twin), speculative="mtp")
+
+
 def test_plain_loading_skips_the_head_and_counts_it_only_when_kept(tiny, mtp):
     from mlx.utils import tree_flatten
 

@@ -71,7 +71,9 @@ def tensor_plan(arch: Architecture) -> list[TensorSpec]:
             TensorSpec("mtp.pre_fc_norm_hidden.weight", (h,), "zero_norm"),
         ]
         for i in range(arch.mtp_num_hidden_layers):
-            specs += _layer_plan(arch, f"mtp.layers.{i}.", "full_attention", out_std)
+            specs += _layer_plan(
+                arch, f"mtp.layers.{i}.", "full_attention", out_std, per_expert=True
+            )
         specs.append(TensorSpec("mtp.norm.weight", (h,), "zero_norm"))
     return specs
 
@@ -80,8 +82,12 @@ def _linear(name: str, n_out: int, n_in: int, scale: float = 1.0) -> TensorSpec:
     return TensorSpec(name, (n_out, n_in), "normal", scale * n_in**-0.5)
 
 
-def _layer_plan(arch: Architecture, lp: str, kind: str, out_std: float) -> list[TensorSpec]:
-    """One decoder layer's tensors under the prefix `lp`."""
+def _layer_plan(arch: Architecture, lp: str, kind: str, out_std: float, per_expert: bool = False
+                ) -> list[TensorSpec]:  # fmt: skip
+    """One decoder layer's tensors under the prefix `lp`. Routed experts are fused
+    (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) as in Qwen3.5-35B-A3B's
+    decoder layers, or with `per_expert` one tensor per expert and projection, as its MTP
+    layer stores them (`experts.{e}.gate_proj.weight` ...)."""
     h, linear = arch.hidden_size, _linear
     if kind == "linear_attention":
         a = lp + "linear_attn."
@@ -116,10 +122,21 @@ def _layer_plan(arch: Architecture, lp: str, kind: str, out_std: float) -> list[
             arch.moe_intermediate_size,
             arch.shared_expert_intermediate_size,
         )
+        specs.append(linear(m + "gate.weight", e, h))
+        if per_expert:
+            for j in range(e):
+                x = f"{m}experts.{j}."
+                specs += [
+                    TensorSpec(x + "gate_proj.weight", (inter, h), "normal", h**-0.5),
+                    TensorSpec(x + "up_proj.weight", (inter, h), "normal", h**-0.5),
+                    TensorSpec(x + "down_proj.weight", (h, inter), "normal", out_std * inter**-0.5),
+                ]
+        else:
+            specs += [
+                TensorSpec(m + "experts.gate_up_proj", (e, 2 * inter, h), "normal", h**-0.5),
+                TensorSpec(m + "experts.down_proj", (e, h, inter), "normal", out_std * inter**-0.5),
+            ]
         specs += [
-            linear(m + "gate.weight", e, h),
-            TensorSpec(m + "experts.gate_up_proj", (e, 2 * inter, h), "normal", h**-0.5),
-            TensorSpec(m + "experts.down_proj", (e, h, inter), "normal", out_std * inter**-0.5),
             linear(m + "shared_expert.gate_proj.weight", shared, h),
             linear(m + "shared_expert.up_proj.weight", shared, h),
             linear(m + "shared_expert.down_proj.weight", h, shared, out_std),

@@ -268,7 +268,10 @@ def load_weights(
             weights.update(mx.load(str(f)))
         except Exception as e:
             raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
-    weights = sanitize(weights, ckpt.entry.arch, mtp=mtp)
+    try:
+        weights = sanitize(weights, ckpt.entry.arch, mtp=mtp)
+    except ValueError as e:
+        raise CheckpointError(f"{ckpt.path}: {e}") from None
     if select is not None:
         weights = {k: v for k, v in weights.items() if select(k)}
     if ckpt.quantization:

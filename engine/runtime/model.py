@@ -11,6 +11,7 @@ conv weight is `[C, K]`; `sanitize` maps the Hub layout onto it.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -453,11 +454,13 @@ def local_path(key: str, *, mtp: bool = False) -> str | None:
 def sanitize(weights: dict[str, mx.array], arch: Architecture, *, mtp: bool = False
              ) -> dict[str, mx.array]:  # fmt: skip
     """Map checkpoint tensors (Hub, transformers text-only, or mlx-lm layout) onto ours; the
-    MTP head's (`mtp.*`) are kept only with `mtp`."""
+    MTP head's (`mtp.*`) are kept only with `mtp`. Routed experts come fused
+    (`experts.gate_up_proj`, `experts.down_proj`), per expert (`experts.{e}.gate_proj.weight`
+    ...) or as mlx-lm's `switch_mlp`; a per-expert set missing an expert is a ValueError."""
     # The Hub layout stores the conv as [C, 1, K] and norms as offsets from 1; mlx-lm
     # conversions store [C, K, 1] and the norms with the 1 already added.
     hub_layout = any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
-    out = {}
+    out, per_expert = {}, {}
     for key, value in weights.items():
         key = local_path(key, mtp=mtp)
         if key is None:
@@ -477,5 +480,23 @@ def sanitize(weights: dict[str, mx.array], arch: Architecture, *, mtp: bool = Fa
             continue
         if key.endswith("mlp.experts.down_proj"):
             key = key[: -len("experts.down_proj")] + "switch_mlp.down_proj.weight"
+        if m := _PER_EXPERT.fullmatch(key):
+            per_expert.setdefault((m["mlp"], m["proj"]), {})[int(m["e"])] = value
+            continue
         out[key] = value
+    for (mlp, proj), experts in per_expert.items():
+        if sorted(experts) != list(range(arch.num_experts)):
+            have = f"{len(experts)} of experts 0-{max(experts)}" if experts else "none"
+            raise ValueError(
+                f"{mlp}.experts.N.{proj}.weight: need one tensor for each of the "
+                f"{arch.num_experts} experts, found {have}"
+            )
+        out[f"{mlp}.switch_mlp.{proj}.weight"] = mx.stack([experts[e] for e in sorted(experts)])
     return out
+
+
+# One expert's projection in the per-expert layout (Qwen3-Next, and the MTP layer of
+# Qwen3.5-35B-A3B, whose decoder layers store the experts fused as `experts.gate_up_proj`).
+_PER_EXPERT = re.compile(
+    r"(?P<mlp>.+\.mlp)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight"
+)
