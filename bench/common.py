@@ -170,3 +170,22 @@ def best_seconds(fn: Callable[[], object], repeats: int, *, warmup: bool = False
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def fresh_greedy(eng, ids, max_tokens: int = 5):
+    """The reference for anything cached or drafted: greedy tokens after one full prefill of
+    `ids` on fresh caches (the model's own forward; no session, no snapshots), stopping at a
+    stop token, and the logits that started them."""
+    import mlx.core as mx
+
+    caches = eng.model.make_caches()
+    logits = first = eng.model(mx.array([list(ids)]), caches)[0, -1]
+    out = []
+    while len(out) < max_tokens:
+        token = mx.argmax(logits).item()
+        if token in eng.stop_ids:
+            break
+        out.append(token)
+        if len(out) < max_tokens:
+            logits = eng.model(mx.array([[token]]), caches)[0, -1]
+    return out, first

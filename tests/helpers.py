@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import mlx.core as mx
+from bench.common import fresh_greedy  # noqa: F401  (the fresh-prefill reference)
 
 SERVER_WINDOW = 4096  # the `server` fixture's context window (small: too-long checks are cheap)
 
@@ -16,21 +16,6 @@ QUESTIONS = [
     "请用中文解释一下量子计算。", "Code word: PELICAN. Remember it.", "ok", "Why is the sky blue? 🌌",
     "List three prime numbers\nand explain.",
 ]  # fmt: skip
-
-
-def fresh_greedy(eng, ids, max_tokens=5):
-    """Greedy decode after one full prefill on fresh caches: no session, no snapshots."""
-    caches = eng.model.make_caches()
-    logits = first = eng.model(mx.array([ids]), caches)[0, -1]
-    out = []
-    while len(out) < max_tokens:
-        token = mx.argmax(logits).item()
-        if token in eng.stop_ids:
-            break
-        out.append(token)
-        if len(out) < max_tokens:
-            logits = eng.model(mx.array([[token]]), caches)[0, -1]
-    return out, first
 
 
 def openai_client(srv, key: str = "unused"):

@@ -269,6 +269,48 @@ def test_session_turns_with_penalties_draft_and_answer_as_plain_decoding(spec_en
         assert turn.stats.drafted_tokens > 0 and turn.stats.accepted_tokens > 0
 
 
+# Randomized session scripts (bench/spec_scripts.py; the same runs on the 0.8B build there):
+# seeds chosen so that together they play every turn shape, for each drafter (lookup drafts
+# from the tools' text in a forced call: 6 has every draft stand, 11 none).
+SCRIPTS = [("oracle", 0), ("oracle", 1), ("lookup", 6), ("lookup", 11), ("mtp", 6), ("mtp", 4),
+           ("draft:tiny", 2)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def script_engine():
+    """`tiny` with the MTP head: every drafter runs on it (the head's cache rides along)."""
+    return engine.load("tiny", speculative="mtp")
+
+
+@pytest.mark.parametrize("drafter,seed", SCRIPTS, ids=[f"{d}-{s}" for d, s in SCRIPTS])
+def test_randomized_session_scripts_draft_exactly(script_engine, drafter, seed):
+    """Each answer with drafting equals the one without, which equals a fresh prefill's; the
+    session's caches at the end equal a fresh prefill of its tokens."""
+    from bench import spec_scripts
+
+    eng = script_engine
+    spec = spec_scripts.speculations(eng, [drafter], 3)[drafter]
+    row = spec_scripts.check(eng, seed, spec, oracle_rate=0.3 if drafter == "oracle" else None)
+    assert row["problems"] == []
+    assert row["answers"] >= 3 and row["drafted"] > 0
+    if drafter == "oracle":  # rejections at every position, and runs that stand
+        assert 0 < row["accepted"] < row["drafted"]
+    if drafter == "draft:tiny":  # drafting for itself: every draft stands
+        assert row["accepted"] == row["drafted"]
+
+
+def test_the_scripts_play_every_turn_shape():
+    """Guards the seeds above: the oracle's scripts (rejections at every position) and the
+    MTP head's (its own cache) each play every turn shape."""
+    from bench.spec_scripts import plan
+
+    shapes = {"send", "regenerate", "warm", "tool", "interrupt"}
+    for drafter in ("oracle", "mtp"):
+        played = {a for d, seed in SCRIPTS if d == drafter for a, _ in plan(seed)[2]}
+        assert played >= shapes, (drafter, shapes - played)
+    assert {plan(seed)[1] for _, seed in SCRIPTS} == {1, 2}  # windows that trim at once, later
+
+
 def test_load_options_are_checked(tiny):
     from engine.runtime.mtp import MTPDrafter
 
@@ -366,6 +408,29 @@ def test_the_server_answers_with_speculation_as_a_fresh_prefill_does(spec_engine
             assert r.choices[0].message.content == turn.text
             assert turn.token_ids == fresh_greedy(eng, turn.prompt_ids, 8)[0]
             assert turn.stats.drafted_tokens > 0
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_the_answer_as_plain_decoding_does(spec_engine):
+    """Every draft stands (k = 4), so the stop string ends the text inside a verified run:
+    the answer is plain decoding's, and the pool's sequence it leaves serves the next turn as
+    a fresh prefill would."""
+    eng = spec_engine
+    messages = [{"role": "user", "content": QUESTIONS[2]}]
+    eng.speculative = None
+    answer = eng.chat(messages, max_tokens=16, warm=False)
+    full, start = answer.text, len(eng.tokenizer.decode(answer.token_ids[:6]))  # past a verify
+    stop = next(full[i : i + 2] for i in range(start, len(full) - 2)
+                if full[i : i + 2] not in full[: i + 1])  # fmt: skip
+    plain = eng.chat(messages, max_tokens=16, stop=[stop], warm=False)
+    assert plain.finish_reason == "stop" and full.startswith(plain.text) and stop not in plain.text
+    eng.speculative = Speculation(lambda: Oracle(eng, 0.0), 4, adaptive=False)
+    turn = eng.chat(messages, max_tokens=16, stop=[stop], warm=False)
+    assert (turn.text, turn.finish_reason) == (plain.text, "stop")
+    assert turn.stats.accepted_tokens == turn.stats.drafted_tokens > 0
+    more = messages + [turn.message(), {"role": "user", "content": QUESTIONS[3]}]
+    nxt = eng.chat(more, max_tokens=6, warm=False)
+    assert nxt.stats.reused_tokens > 0  # restored from the sequence the speculative turn left
+    assert nxt.token_ids == fresh_greedy(eng, nxt.prompt_ids, 6)[0]
 
 
 @pytest.mark.parametrize("rate", [0.0, 1.0])
