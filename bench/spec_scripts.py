@@ -2,8 +2,8 @@
 
 A script is a conversation of random turn shapes drawn from a seed: plain turns, turns that
 trim the window (one or two exchanges kept), a forced tool call and the turn that answers
-its result, regenerate, a stream the user walks away from, an idle-time warm-up before a
-turn. Each script runs twice on one engine, with drafting off and on. The checks, against
+its result, regenerate, a stream the user walks away from, an answer refused after it was
+generated (rolled back), an idle-time warm-up before a turn. Each script runs twice on one engine, with drafting off and on. The checks, against
 references that do not draft:
 
 - every answer with drafting equals the one without, token for token (greedy);
@@ -38,7 +38,7 @@ QUESTIONS = [
     "List three prime numbers\nand explain.", "Repeat after me: the quick brown fox.",
 ]  # fmt: skip
 SYSTEMS = ["You are terse.", "简洁地回答。", None]
-ACTIONS = ["send"] * 4 + ["regenerate", "tool", "interrupt", "warm"]
+ACTIONS = ["send"] * 4 + ["regenerate", "tool", "interrupt", "warm", "fail"]
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "北京"]}},
@@ -61,6 +61,7 @@ class Record:
 class Run:
     records: list[Record] = field(default_factory=list)
     interrupts: int = 0  # streams walked away from, each leaving the history as it was
+    failures: int = 0  # answers rejected by `validate`, each rolled back
     session: object = None
 
 
@@ -72,14 +73,23 @@ def plan(seed: int) -> tuple[str | None, int, list[tuple[str, str]]]:
     steps = []
     for _ in range(rng.randint(5, 8)):
         action, q = rng.choice(ACTIONS), rng.choice(QUESTIONS)
-        answered = any(a not in ("interrupt",) for a, _ in steps)
+        answered = any(a not in ("interrupt", "fail") for a, _ in steps)  # left a history
         steps.append(("send" if action == "regenerate" and not answered else action, q))
     return system, keep, steps
 
 
+class Rejected(Exception):
+    """What a `fail` turn's `validate` raises: the answer is refused and rolled back."""
+
+
+def _reject(turn) -> None:
+    raise Rejected(f"refused {len(turn.token_ids)} tokens")
+
+
 def run_script(eng, seed: int, *, max_tokens: int = 8) -> Run:
     """Play script `seed` on `eng` as it is set up (drafting or not). Raises AssertionError
-    if an interrupted stream changed the history or a forced tool call made no call."""
+    if an interrupted stream or a failed turn changed the history, or a forced tool call made
+    no call."""
     system, keep_exchanges, steps = plan(seed)
     s = eng.session(system, max_exchanges=keep_exchanges, enable_thinking=False)
     run = Run(session=s)
@@ -97,6 +107,15 @@ def run_script(eng, seed: int, *, max_tokens: int = 8) -> Run:
             stream.close()
             assert s.history == before, "an interrupted stream changed the history"
             run.interrupts += 1
+        elif action == "fail":  # a whole answer drafted and decoded, then refused
+            before = [list(e) for e in s.history]
+            try:
+                s.send(q, max_tokens=max_tokens, validate=_reject)
+                raise AssertionError("the failed turn did not raise")
+            except Rejected:
+                pass
+            assert s.history == before, "a failed turn changed the history"
+            run.failures += 1
         elif action == "tool":
             call = s.send(q, tools=TOOLS, tool_choice="required", max_tokens=48)
             keep("tool call", call)
@@ -198,7 +217,9 @@ def check(eng, seed: int, speculation, *, max_tokens: int = 8,
         problems.append(f"caches off a fresh prefill: states {state:.2e}, logits {logits:.2e}")
     return {
         "seed": seed,
-        "actions": [r.action for r in spec.records] + ["interrupt"] * spec.interrupts,
+        "actions": [r.action for r in spec.records]
+        + ["interrupt"] * spec.interrupts
+        + ["fail"] * spec.failures,
         "answers": len(spec.records),
         "drafted": sum(r.drafted for r in spec.records),
         "accepted": sum(r.accepted for r in spec.records),

@@ -271,8 +271,8 @@ def test_session_turns_with_penalties_draft_and_answer_as_plain_decoding(spec_en
 
 # Randomized session scripts (bench/spec_scripts.py; the same runs on the 0.8B build there):
 # seeds chosen so that together they play every turn shape, for each drafter (lookup drafts
-# from the tools' text in a forced call: 6 has every draft stand, 11 none).
-SCRIPTS = [("oracle", 0), ("oracle", 1), ("lookup", 6), ("lookup", 11), ("mtp", 6), ("mtp", 4),
+# from the tools' text in a forced call: 7 has every draft stand, 18 some refused).
+SCRIPTS = [("oracle", 6), ("oracle", 13), ("lookup", 7), ("lookup", 18), ("mtp", 0), ("mtp", 7),
            ("draft:tiny", 2)]  # fmt: skip
 
 
@@ -304,7 +304,7 @@ def test_the_scripts_play_every_turn_shape():
     MTP head's (its own cache) each play every turn shape."""
     from bench.spec_scripts import plan
 
-    shapes = {"send", "regenerate", "warm", "tool", "interrupt"}
+    shapes = {"send", "regenerate", "warm", "tool", "interrupt", "fail"}
     for drafter in ("oracle", "mtp"):
         played = {a for d, seed in SCRIPTS if d == drafter for a, _ in plan(seed)[2]}
         assert played >= shapes, (drafter, shapes - played)
@@ -431,6 +431,40 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_answer_as_plain_decoding_
     nxt = eng.chat(more, max_tokens=6, warm=False)
     assert nxt.stats.reused_tokens > 0  # restored from the sequence the speculative turn left
     assert nxt.token_ids == fresh_greedy(eng, nxt.prompt_ids, 6)[0]
+
+
+class Failing:
+    """Drafts as `inner` does, and raises on its `n`-th proposal (a draft model out of memory
+    mid-answer)."""
+
+    def __init__(self, inner, n):
+        self.inner, self.n, self.calls = inner, n, 0
+
+    def propose(self, history, k):
+        self.calls += 1
+        if self.calls == self.n:
+            raise MemoryError("injected in the drafter")
+        return self.inner.propose(history, k)
+
+
+def test_a_drafter_failing_mid_answer_leaves_the_session_as_it_was(spec_engine):
+    """The failure comes after verify steps have fed and rolled back drafts: the turn raises,
+    the history is unchanged, and the next turn answers from exact caches."""
+    eng = spec_engine
+    eng.speculative = Speculation(lambda: Oracle(eng, 0.3), 3, adaptive=False)
+    s = eng.session("You are terse.", max_exchanges=2)
+    s.send(QUESTIONS[0], max_tokens=8)
+    history = [list(e) for e in s.history]
+    eng.speculative = Speculation(lambda: Failing(Oracle(eng, 0.3), 3), 3, adaptive=False)
+    with pytest.raises(MemoryError, match="injected in the drafter"):
+        s.send(QUESTIONS[1], max_tokens=12)
+    assert s.history == history
+    eng.speculative = Speculation(lambda: Oracle(eng, 0.3), 3, adaptive=False)
+    turn = s.send(QUESTIONS[1], max_tokens=8)
+    assert turn.token_ids == fresh_greedy(eng, turn.prompt_ids, 8)[0]
+    assert turn.stats.reused_tokens > 0 and turn.stats.drafted_tokens > 0
+    with eng.lock:
+        _assert_holds(eng.model, s.seq.caches, list(s.seq.tokens), 198)
 
 
 @pytest.mark.parametrize("rate", [0.0, 1.0])
