@@ -103,7 +103,9 @@ def dense_path() -> str:
     got = native.info()
     lo, hi = native.DENSE_ROWS
     if got.active:
-        return f"native GEMV for {lo}-{hi} rows ({got.isa}); 1 row: BLAS sgemv; more: sgemm"
+        if got.isa == "generic":  # the portable kernel leaves one row to sgemv
+            return f"native GEMV for 2-{hi} rows (generic); 1 row: BLAS sgemv; more: sgemm"
+        return f"native GEMV for {lo}-{hi} rows ({got.isa}); more: sgemm"
     return f"BLAS sgemm (slower for {lo}-{hi} rows: {got.reason})"
 
 
@@ -299,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=_doctor)
 
-    listed = "\n".join(f"  {name:<12} {what}" for name, what in benchmarks().items())
+    known = benchmarks()
+    width = max(map(len, known), default=0) + 2
+    listed = "\n".join(f"  {name:<{width}}{what}" for name, what in known.items())
     b = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=f"benchmarks (chatml bench NAME --help for each one's options):\n{listed}")  # fmt: skip

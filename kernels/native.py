@@ -2,7 +2,7 @@
 
 MLX's own CPU ``quantized_matmul`` runs a decode step's 4/8-bit GEMVs at ~1 GB/s; the native
 primitive (``kernels/native/qgemv.cpp``, an MLX ``Primitive`` with ``eval_cpu``) reads the
-compact weights at memory speed. A batched decode step's float32 products of 2-32 rows go
+compact weights at memory speed. A decode step's float32 products of 1-32 rows go
 through ``kernels/native/dense.cpp``: OpenBLAS's sgemm reads the weights of so few rows at a
 quarter of sgemv's speed, the native kernel reads them once for all rows. The Gated DeltaNet
 update of a few tokens (decode, verify, short segments) runs as ``kernels/native/delta.cpp``:
@@ -44,10 +44,13 @@ __all__ = ["NativeInfo", "build", "dense_matmul", "info", "module", "quantized_m
 SOURCE_DIR = Path(__file__).resolve().parent / "native"
 MODULE = "_chatml_qgemv"
 GEMV_ROWS = 64  # up to this many rows of x use the GEMV kernel; more: dequantize + sgemm
-# Float32 rows of x that take the native dense GEMV: one row is sgemv already (the BLAS shim
-# sends M == 1 there, as fast); sgemm catches up at about 48 rows (bench/qgemv.py --batch,
-# BENCHMARKS.md).
-DENSE_ROWS = (2, 32)
+# Float32 rows of x that take the native dense GEMV: sgemm catches up at about 48 rows
+# (bench/qgemv.py --batch, BENCHMARKS.md). One row too: sgemv through the BLAS shim reads a
+# matrix as fast, but OpenBLAS's threads spin after each call on the cores the kernels' pool
+# computes on next, and whole decode steps ran 1.18-1.32x faster with every product here
+# (BENCHMARKS.md, "One row through the native GEMV too"). The portable kernel (no AVX2)
+# leaves one row to the BLAS.
+DENSE_ROWS = (1, 32)
 
 
 @dataclass(frozen=True)
@@ -272,11 +275,12 @@ def quantized_matmul(x, w, scales, biases, group_size: int, bits: int):
 
 
 def dense_matmul(x, w):
-    """``x @ w.T`` for a float32 weight ``w [N, K]``: the native GEMV when x has 2-32 rows (a
-    batched decode step, a speculative verify, a short prefill), MLX's matmul otherwise (one
-    row: sgemv through the BLAS shim; longer prefills: sgemm) and on the Python path. The same
-    float32 dot products either way, summed in another order. A weight that is a view (e.g.
-    transposed) is copied to row-major per call: correct, but slow for big matrices."""
+    """``x @ w.T`` for a float32 weight ``w [N, K]``: the native GEMV when x has 1-32 rows (a
+    decode step, a batched one, a speculative verify, a short prefill), MLX's matmul otherwise
+    (longer prefills: sgemm; one row with the portable kernel: sgemv through the BLAS shim)
+    and on the Python path. The same float32 dot products either way, summed in another
+    order. A weight that is a view (e.g. transposed) is copied to row-major per call: correct,
+    but slow for big matrices."""
     import mlx.core as mx
 
     lo, hi = DENSE_ROWS
@@ -286,8 +290,9 @@ def dense_matmul(x, w):
         and w.ndim == 2
         and x.ndim >= 1
         and x.shape[-1] == w.shape[1] > 0
-        and lo <= x.size // x.shape[-1] <= hi
+        and lo <= (rows := x.size // x.shape[-1]) <= hi
         and (mod := module()) is not None
+        and (rows > 1 or _info.isa != "generic")
     ):
         return mod.dense_gemv(x, w)
     return x @ w.T
