@@ -28,8 +28,14 @@ def _throwaway_home() -> str:
     return str(home)
 
 
-# Set before any test imports engine: every build goes to a throwaway home for this run.
+# Set before any test imports engine: every build goes to a throwaway home for this run (per
+# worker, under pytest-xdist).
 os.environ.setdefault("CHATML_HOME", _throwaway_home())
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One worker per core: OpenBLAS at one thread each, or its threads (which spin after each
+    # call) take the core another worker computes on. The native kernels' pool keeps its
+    # default, so its threaded paths still run in process.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import engine  # noqa: E402,F401  (first: the fast BLAS must load before any test imports mlx)
 
