@@ -28,9 +28,10 @@ def _throwaway_home() -> str:
     return str(home)
 
 
-# Set before any test imports engine: every build goes to a throwaway home for this run (per
-# worker, under pytest-xdist).
-os.environ.setdefault("CHATML_HOME", _throwaway_home())
+# Set before any test imports engine: every build goes to a throwaway home for this run, one
+# per pytest-xdist worker (never the user's CHATML_HOME: two workers would build into it at
+# once, and tests must not touch a real home).
+os.environ["CHATML_HOME"] = _throwaway_home()
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # One worker per core: OpenBLAS at one thread each, or its threads (which spin after each
     # call) take the core another worker computes on. The native kernels' pool keeps its
