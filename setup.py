@@ -20,7 +20,9 @@ MLX = "0.32.4"
 BACKENDS = ("cpu", "cuda12", "cuda13", "none")
 DEPENDENCIES = [
     "mlx-lm>=0.32.2",
-    "transformers>=5.0",
+    # From 5.25 transformers depends on Hugging Face's `kernels` package, whose import name is
+    # this repo's `kernels/`: installed beside it, it shadows ours (engine/__init__.py says so).
+    "transformers>=5.0,<5.25",
     "tokenizers>=0.22",
     "numpy>=1.26",
     "safetensors>=0.4",

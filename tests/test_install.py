@@ -50,3 +50,26 @@ def test_the_extras_each_name_one_backend():
                           ("cuda13", "cuda13")):  # fmt: skip
         (req,) = extras[name]
         assert req.startswith(f"mlx[{backend}]>=")
+
+
+def test_a_foreign_kernels_package_found_first_is_named(tmp_path):
+    """Hugging Face's `kernels` (a dependency of transformers >= 5.25) has the import name of
+    this repo's `kernels/`; found first, it is named with the way out, not a bare ImportError."""
+    import subprocess
+    import sys
+
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text('"""Another project\'s kernels."""\n')
+    r = subprocess.run([sys.executable, "-c", "import engine"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode != 0
+    assert f"shadowed by {tmp_path / 'kernels' / '__init__.py'}" in r.stderr
+    assert "pip uninstall kernels" in r.stderr
+
+
+def test_transformers_stays_below_the_release_that_brings_another_kernels():
+    spec = importlib.util.spec_from_file_location("chatml_setup", SETUP)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (req,) = [d for d in module.DEPENDENCIES if d.startswith("transformers")]
+    assert req == "transformers>=5.0,<5.25"
