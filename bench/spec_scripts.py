@@ -151,10 +151,11 @@ class Oracle:
         return self.inner.propose(history, k)
 
 
-def cache_error(eng, seq) -> tuple[float, float]:
-    """How far `seq`'s caches are from a fresh prefill of its tokens: the largest state
-    difference relative to max(1, the state's largest magnitude), and the largest difference
-    of the logits one more step gives (after the token 198)."""
+def cache_error(model, caches, tokens, next_token: int = 198) -> tuple[float, float]:
+    """How far the target's `caches` (an MTP head's left out) are from a fresh prefill of
+    `tokens`: the largest state difference relative to max(1, that state's largest magnitude),
+    and the largest difference of the logits one more step (`next_token`) gives. The caches
+    are left as they were."""
     import mlx.core as mx
     import numpy as np
 
@@ -163,40 +164,34 @@ def cache_error(eng, seq) -> tuple[float, float]:
     from engine.runtime.generate import prefill
     from engine.runtime.step import Row, forward
 
-    model = eng.model
     n = len(model.layers)
-    with eng.lock:
-        ours = seq.caches[:n]
-        fresh = model.make_caches()[:n]
-        prefill(model, fresh, list(seq.tokens), 0)
-        state = 0.0
-        for a, b in zip(ours, fresh):
-            pairs = zip(a.state, b.state) if isinstance(a, KVCache) else \
-                [(a.conv, b.conv), (a.state, b.state)]  # fmt: skip
-            assert isinstance(a, (KVCache, RecurrentCache)) and a.offset == b.offset
-            for x, y in pairs:
-                x, y = np.array(x), np.array(y)
-                state = max(state, float(np.abs(x - y).max() / max(1.0, np.abs(y).max())))
-        back = snapshot.take(ours, len(seq.tokens))  # the step below is undone after it
-        ((la, _),) = forward(model, [Row(list(ours), [198])])
-        ((lb, _),) = forward(model, [Row(fresh, [198])])
-        logits = mx.abs(la - lb).max().item()
-        snapshot.restore(ours, back)
-    return state, logits
+    ours = list(caches[:n])
+    fresh = model.make_caches()[:n]
+    prefill(model, fresh, list(tokens), 0)
+    state = 0.0
+    for a, b in zip(ours, fresh):
+        assert isinstance(a, (KVCache, RecurrentCache)) and a.offset == b.offset
+        pairs = zip(a.state, b.state) if isinstance(a, KVCache) else \
+            [(a.conv, b.conv), (a.state, b.state)]  # fmt: skip
+        for x, y in pairs:
+            x, y = np.array(x), np.array(y)
+            scale = max(1.0, float(np.abs(y).max(initial=0.0)))
+            state = max(state, float(np.abs(x - y).max(initial=0.0)) / scale)
+    back = snapshot.take(ours, len(tokens))  # the step below is undone after it
+    ((la, _),) = forward(model, [Row(ours, [next_token])])
+    ((lb, _),) = forward(model, [Row(fresh, [next_token])])
+    snapshot.restore(ours, back)
+    return state, mx.abs(la - lb).max().item()
 
 
-def check(eng, seed: int, speculation, *, max_tokens: int = 8,
-          oracle_rate: float | None = None) -> dict:  # fmt: skip
-    """Script `seed` without and with `speculation` (a Speculation, or with `oracle_rate` a
-    factory `answers -> Speculation` drafting the plain answers): what differs, and counts."""
+def check(eng, seed: int, speculation: Callable, *, max_tokens: int = 8) -> dict:
+    """Script `seed` without drafting, then with `speculation(answers)` (a Speculation, given
+    the plain run's answers by prompt: the oracle drafts them): what differs, and counts."""
     saved = eng.speculative
     try:
         eng.speculative = None
         plain = run_script(eng, seed, max_tokens=max_tokens)
-        if oracle_rate is not None:
-            answers = {tuple(r.prompt_ids): r.token_ids for r in plain.records}
-            speculation = speculation(lambda: Oracle(answers, eng.stop_ids[0], oracle_rate))
-        eng.speculative = speculation
+        eng.speculative = speculation({tuple(r.prompt_ids): r.token_ids for r in plain.records})
         spec = run_script(eng, seed, max_tokens=max_tokens)
     finally:
         eng.speculative = saved
@@ -212,7 +207,9 @@ def check(eng, seed: int, speculation, *, max_tokens: int = 8,
             and p.token_ids != fresh_greedy(eng, p.prompt_ids, max_tokens)[0]
         ):
             problems.append(f"answer {i} ({p.action}) differs from a fresh prefill")
-    state, logits = cache_error(eng, spec.session.seq)
+    with eng.lock:
+        seq = spec.session.seq
+        state, logits = cache_error(eng.model, seq.caches, seq.tokens)
     if state > 1e-3 or logits > 1e-4:
         problems.append(f"caches off a fresh prefill: states {state:.2e}, logits {logits:.2e}")
     return {
@@ -229,25 +226,31 @@ def check(eng, seed: int, speculation, *, max_tokens: int = 8,
     }
 
 
-def speculations(eng, names: Sequence[str], k: int) -> dict[str, Callable | object]:
-    """Drafter name -> a Speculation (fixed k), or for `oracle` a factory of one."""
+def speculations(eng, names: Sequence[str], k: int, reject: float = 0.3) -> dict[str, Callable]:
+    """Drafter name -> `answers -> Speculation` (fixed k); only `oracle` uses the answers (the
+    plain run's, by prompt), drafting them with `reject` of its tokens wrong."""
     from engine.runtime.mtp import MTPDrafter
     from engine.runtime.speculative import LookupDrafter, Speculation
+
+    def fixed(drafter) -> Callable:
+        return lambda answers: Speculation(drafter, k, adaptive=False)
 
     out = {}
     for name in names:
         if name == "oracle":
-            out[name] = lambda factory: Speculation(factory, k, adaptive=False)
+            out[name] = lambda answers: Speculation(
+                lambda: Oracle(answers, eng.stop_ids[0], reject), k, adaptive=False
+            )
         elif name == "lookup":
-            out[name] = Speculation(LookupDrafter, k, adaptive=False)
+            out[name] = fixed(LookupDrafter)
         elif name == "mtp":
-            out[name] = Speculation(MTPDrafter, k, adaptive=False)
+            out[name] = fixed(MTPDrafter)
         elif name.startswith("draft:"):
             from engine.runtime.draft import DraftModel
 
             draft = DraftModel(name[len("draft:") :])
             draft.load(eng)
-            out[name] = Speculation(draft, k, adaptive=False)
+            out[name] = fixed(draft)
         else:
             raise SystemExit(
                 f"unknown drafter {name!r}: expected oracle, lookup, mtp or draft:NAME"
@@ -274,12 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = model_path(a.model, a.models_dir)
     eng = engine.load(str(path), speculative="mtp" if "mtp" in names else None)
     rows = []
-    for name, spec in speculations(eng, names, a.num_draft).items():
+    for name, spec in speculations(eng, names, a.num_draft, a.reject).items():
         for seed in (int(s) for s in a.seeds.split(",")):
             t = time.perf_counter()
-            oracle = a.reject if name == "oracle" else None
-            row = {"drafter": name, **check(eng, seed, spec, max_tokens=a.max_tokens,
-                                            oracle_rate=oracle)}  # fmt: skip
+            row = {"drafter": name, **check(eng, seed, spec, max_tokens=a.max_tokens)}
             row["seconds"] = round(time.perf_counter() - t, 1)
             rows.append(row)
             verdict = "ok" if not row["problems"] else "; ".join(row["problems"])
