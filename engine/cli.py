@@ -101,11 +101,10 @@ def dense_path() -> str:
     if backend() != "cpu":
         return "MLX's GPU kernels"
     got = native.info()
-    lo, hi = native.DENSE_ROWS
+    lo, hi = native.dense_rows()
     if got.active:
-        if got.isa == "generic":  # the portable kernel leaves one row to sgemv
-            return f"native GEMV for 2-{hi} rows (generic); 1 row: BLAS sgemv; more: sgemm"
-        return f"native GEMV for {lo}-{hi} rows ({got.isa}); more: sgemm"
+        one = "; 1 row: BLAS sgemv" if lo > 1 else ""
+        return f"native GEMV for {lo}-{hi} rows ({got.isa}){one}; more: sgemm"
     return f"BLAS sgemm (slower for {lo}-{hi} rows: {got.reason})"
 
 

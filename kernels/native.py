@@ -39,7 +39,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["NativeInfo", "build", "dense_matmul", "info", "module", "quantized_matmul"]
+__all__ = [
+    "NativeInfo",
+    "build",
+    "dense_matmul",
+    "dense_rows",
+    "info",
+    "module",
+    "quantized_matmul",
+]
 
 SOURCE_DIR = Path(__file__).resolve().parent / "native"
 MODULE = "_chatml_qgemv"
@@ -274,6 +282,13 @@ def quantized_matmul(x, w, scales, biases, group_size: int, bits: int):
     return x @ weight.astype(x.dtype).T
 
 
+def dense_rows() -> tuple[int, int]:
+    """The rows of x that take the native dense GEMV here: `DENSE_ROWS`, from 2 where only
+    the portable kernel runs (it leaves one row to sgemv)."""
+    lo, hi = DENSE_ROWS
+    return (max(lo, 2), hi) if info().isa == "generic" else (lo, hi)
+
+
 def dense_matmul(x, w):
     """``x @ w.T`` for a float32 weight ``w [N, K]``: the native GEMV when x has 1-32 rows (a
     decode step, a batched one, a speculative verify, a short prefill), MLX's matmul otherwise
@@ -283,16 +298,15 @@ def dense_matmul(x, w):
     but slow for big matrices."""
     import mlx.core as mx
 
-    lo, hi = DENSE_ROWS
     if (
         x.dtype == mx.float32
         and w.dtype == mx.float32
         and w.ndim == 2
         and x.ndim >= 1
         and x.shape[-1] == w.shape[1] > 0
-        and lo <= (rows := x.size // x.shape[-1]) <= hi
         and (mod := module()) is not None
-        and (rows > 1 or _info.isa != "generic")
     ):
-        return mod.dense_gemv(x, w)
+        lo, hi = dense_rows()
+        if lo <= x.size // x.shape[-1] <= hi:
+            return mod.dense_gemv(x, w)
     return x @ w.T
