@@ -89,17 +89,24 @@ def _check_pending(cache: MTPCache, tokens) -> None:
     assert pending == list(tokens[r + 1 :])
 
 
+def _assert_states_close(ours: list, theirs: list, atol: float = 1e-4) -> None:
+    """Cache arrays equal within `atol` of each array's largest magnitude (at least 1), as
+    bench.spec_scripts.cache_error measures: keys of magnitude ~4 differ by ~1e-4 between
+    OpenBLAS's one- and two-thread sgemm alone."""
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, atol=atol * max(1.0, float(np.abs(b).max())))
+
+
 def _assert_holds(model, caches, tokens, next_token, atol=1e-4):
-    """`caches` (the MTP head's included, once caught up) equal a fresh prefill of `tokens`,
-    and so do the logits after `next_token`."""
+    """`caches` (the MTP head's included, once caught up) equal a fresh prefill of `tokens`
+    (within `atol` of each state's scale), and so do the logits after `next_token`."""
     fresh = model.make_caches()
     prefill(model, fresh, tokens, 0)
     assert isinstance(caches[-1], MTPCache) and {c.offset for c in caches} == {len(tokens)}
     _check_pending(caches[-1], tokens)
     ours, theirs = _arrays(model, caches), _arrays(model, fresh)
-    assert len(ours) == len(theirs)
-    for a, b in zip(ours, theirs):
-        np.testing.assert_allclose(a, b, atol=atol)
+    _assert_states_close(ours, theirs, atol)
     ((a, _),) = forward(model, [Row(caches, [next_token])])
     ((b, _),) = forward(model, [Row(fresh, [next_token])])
     np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
@@ -474,8 +481,7 @@ def test_plain_decoding_never_runs_the_head_and_drafts_after_the_pause_are_exact
 
     fresh = _eager(model)  # the head over the same tokens, from scratch, advancing each pass
     prefill(model, fresh, tokens, 0)
-    for a, b in zip(_raw(lazy), _raw(fresh), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-4)
+    _assert_states_close(_raw(lazy), _raw(fresh))
 
 
 def test_the_lag_is_bounded_and_caught_up_inside_a_pass(mtp, truth, head_calls):
