@@ -11,6 +11,7 @@ while the requests queue behind it; released, they all start in one round.
 from __future__ import annotations
 
 import threading
+import time
 
 import mlx.core as mx
 import pytest
@@ -156,6 +157,53 @@ def test_concurrent_requests_batch_and_answer_as_alone(eng):
             for a, b in zip(alone.logprobs, turn.logprobs, strict=True):
                 assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
     assert other.batch_stats["widest"] <= 1
+
+
+def test_rows_that_hand_over_different_items_per_token_still_share_every_step(eng):
+    # One request with logprobs (two items for most tokens: logprobs, text) and one without
+    # (one item, or none for a token that completes no text): their rows must still meet in
+    # every step. Each task's turn used to end at its first item, which left one a turn
+    # behind the other for good: the two rows then stepped alone, in turns.
+    before = eng.batch_stats
+    held = Held(eng)
+    requests = [Request(eng, messages(42), max_tokens=24, logprobs=True, top_logprobs=2),
+                Request(eng, messages(43), max_tokens=24)]  # fmt: skip
+    held.release()
+    turns = [r.turn() for r in requests]
+    assert [len(t.token_ids) for t in turns] == [24, 24]  # both run to max_tokens
+    steps = eng.batch_stats["steps"] - before["steps"]
+    rows = eng.batch_stats["rows"] - before["rows"]
+    assert steps > 0 and rows == 2 * steps  # every step carried both rows
+
+
+def test_concurrent_engine_chats_from_threads_share_steps(eng, monkeypatch):
+    # `Engine.chat` consumes its generation one item at a time from its own thread; a step
+    # waits (up to worker.GATHER_S) for those consumers to ask for their next item, so their
+    # rows join it. The wait is made long here so the test does not depend on timing.
+    monkeypatch.setattr("engine.runtime.worker.GATHER_S", 60.0)
+    results: dict[int, object] = {}
+
+    def ask(i):
+        results[i] = eng.chat(messages(40 + i), max_tokens=24, temperature=0)
+
+    before = eng.batch_stats
+    held = Held(eng)
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while eng.worker.queued() < 2:  # both wait behind the held thread
+        assert time.monotonic() < deadline, "the requests never reached the model thread"
+        time.sleep(0.01)
+    held.release()
+    for t in threads:
+        t.join(180)
+    assert [len(results[i].token_ids) for i in range(2)] == [24, 24]
+    steps = eng.batch_stats["steps"] - before["steps"]
+    rows = eng.batch_stats["rows"] - before["rows"]
+    assert steps > 0 and rows == 2 * steps
+    for i in range(2):
+        check_alone(eng, results[i], max_tokens=24)
 
 
 def _options(request: Request) -> dict:

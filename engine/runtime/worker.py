@@ -11,10 +11,14 @@ function reports by itself; `iterate` runs a generator there step by step for a 
 another thread (the consumer's pace, so closing it stops the work at the next item); `spawn`
 runs a generator there at the thread's own pace, handing each item to a callback (the server).
 
-Generators run as tasks, interleaved: each gets a turn in order, and runs until it yields an
-item or `batch.WAIT` (its decode row waits for a step, or its prefill finished a chunk). After
-every round the thread runs one batched decode step for all the rows waiting (`batch.Batch`),
-so concurrent generations decode together. At most `max_tasks` run at once; more wait in
+Generators run as tasks, interleaved: each gets a turn in order, and runs until it yields
+`batch.WAIT` (its decode row waits for a step, or its prefill finished a chunk), ends, or its
+consumer takes no more items, handing over at most `ITEMS_PER_TURN` items. After every round
+the thread runs one batched decode step for all the rows waiting (`batch.Batch`), so
+concurrent generations decode together. (A turn that ended at the first item would leave a
+task that hands over more items for some token, such as its first or one that completes no
+text, a turn behind the others: its row would miss their step, and from then on the rows
+would step alone, in turns.) At most `max_tasks` run at once; more wait in
 order. A plain job runs whole when its turn comes; a background job (idle-time warm-up) waits
 until no task runs, and yields at its next chunk to any queued job: `should_yield()`.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Generator
 from typing import Any, TypeVar
@@ -31,6 +36,14 @@ from typing import Any, TypeVar
 import mlx.core as mx
 
 DEFAULT_MAX_TASKS = 8  # generations interleaved at once (the batch width they can reach)
+# Items a task may hand over in one turn before the others get theirs: a token brings at most
+# a few (its text, logprobs, the first-token notice); a generator that yields items without
+# WAITs (speculative decoding, whose every verify pass is one) lets the others in this often.
+ITEMS_PER_TURN = 4
+# How long a batched step waits for the rows of generations whose consumers (other threads,
+# one item at a time: `iterate`) are taking their last item: a thread that holds the GIL can
+# keep them from asking until it blocks; a consumer slower than this is stepped next time.
+GATHER_S = 0.002
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -228,6 +241,7 @@ class ModelThread:
             for task in list(self._tasks):
                 busy |= self._advance(task)
             if self.batch is not None and self.batch.pending:
+                self._gather([t for t in self._tasks if t.behind and not t.ready()])
                 with self.lock:
                     self.batch.step()  # a failed row's error goes to its task, not here
                 busy = True
@@ -324,15 +338,45 @@ class ModelThread:
         """True inside a task's turn on this thread: work there may yield `batch.WAIT`."""
         return self._turn is not None and self.on_thread()
 
+    def _gather(self, behind: list[_Task]) -> None:
+        """Before a batched step: give the tasks `behind` (their consumers, on other threads,
+        are taking the item just handed over) up to GATHER_S to ask for the next one, and
+        their turns, so that their rows join this step rather than each stepping alone."""
+        deadline = time.monotonic() + GATHER_S
+        while behind and not self.stopping.is_set():
+            for task in [t for t in behind if t.ready() or t.cancelled.is_set()]:
+                behind.remove(task)
+                if task in self._tasks:
+                    self._advance(task)
+                    if task.behind and not task.ready():
+                        behind.append(task)  # handed over another item
+            left = deadline - time.monotonic()
+            if not behind:
+                return
+            if left <= 0:
+                for task in behind:  # away longer: not waited for again until it comes back
+                    task.behind = False
+                return
+            self._wake.clear()  # an ask after this wakes the wait (asks set it)
+            if not any(t.ready() for t in behind):
+                self._wake.wait(left)
+
     def _advance(self, task: _Task) -> bool:
-        """Give `task` its turn; True if it did anything."""
+        """Give `task` its turn (see the module's docstring); True if it did anything."""
+        progressed = False
         with self.lock:
             self._turn = task
             try:
-                progressed, finished = task.advance()
+                for _ in range(ITEMS_PER_TURN):
+                    state = task.advance()
+                    progressed |= state != "idle"
+                    if state != "idle":
+                        task.behind = state == "item"
+                    if state != "item":
+                        break
             finally:
                 self._turn = None
-        if finished:
+        if state == "end":
             self._tasks.remove(task)
         return progressed
 
@@ -351,6 +395,9 @@ class _Task(Job):
         super().__init__(lambda job: None)
         self.make, self.ready, self.deliver, self.end = make, ready, deliver, end
         self.gen: Generator | None = None
+        # Its last move handed over an item (not a WAIT): its consumer may be about to ask
+        # for the next, and a batched step waits a moment for it (`ModelThread._gather`).
+        self.behind = False
 
     def begin(self) -> bool:
         """Make the generator; False if the task ended before it began."""
@@ -364,31 +411,32 @@ class _Task(Job):
             return False
         return True
 
-    def advance(self) -> tuple[bool, bool]:
-        """Run until an item is delivered, a WAIT, or the end: (progressed, finished)."""
+    def advance(self) -> str:
+        """Run until an item is delivered ("item"), a WAIT ("wait") or the end ("end");
+        "idle" if its consumer wants no item now."""
         from .batch import WAIT
 
         if self.cancelled.is_set():
             self.close(None)
-            return True, True
+            return "end"
         if not self.ready():
-            return False, False
+            return "idle"
         try:
             item = next(self.gen)
         except StopIteration as stop:
             self._finish("return", stop.value)
-            return True, True
+            return "end"
         except BaseException as e:
             self._finish("raise", e)
-            return True, True
+            return "end"
         if item is WAIT:
-            return True, False
+            return "wait"
         try:
             self.deliver(item)
         except BaseException as e:  # the consumer's callback failed: the task ends with it
             self.close(e)
-            return True, True
-        return True, False
+            return "end"
+        return "item"
 
     def close(self, error: BaseException | None) -> None:
         """Close the generator here (its cleanup runs on this thread) and report the end."""
