@@ -19,6 +19,7 @@ from .args import (
 )
 from .checkpoints.registry import DEFAULT_MODEL
 from .runtime.batch import DEFAULT_MAX_BATCH
+from .runtime.pool import DEFAULT_SEQUENCES
 
 
 def _models(args) -> int:
@@ -325,8 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="read the API key from FILE (surrounding whitespace ignored)")  # fmt: skip
     s.add_argument("--cache-bytes", type=number(1), default=None,
                    help="cache budget (default: half the device memory the weights leave)")  # fmt: skip
-    s.add_argument("--sequences", type=number(1), default=8,
-                   help="cached sequences kept for reuse")  # fmt: skip
+    s.add_argument("--sequences", type=number(1), default=DEFAULT_SEQUENCES,
+                   help="conversations kept cached for reuse, within the cache budget "
+                        f"(default {DEFAULT_SEQUENCES})")  # fmt: skip
     s.add_argument("--max-tokens", type=number(1), default=512,
                    help="answer limit if a request has none")  # fmt: skip
     s.add_argument("--max-batch", type=number(1), default=DEFAULT_MAX_BATCH, metavar="N",

@@ -18,7 +18,11 @@ from .generate import eval_caches
 from .sequence import CachedSequence
 from .snapshot import tick
 
-DEFAULT_SEQUENCES = 8
+# Conversations kept resumable. The byte budget is what bounds their memory (it evicts the
+# least recently used snapshots and idle live caches first); this only caps the slots. Fewer
+# than the clients a server has (e.g. 16 agents against a batch of 8) and each conversation's
+# next turn finds its slot taken and prefills from scratch.
+DEFAULT_SEQUENCES = 32
 
 
 class PooledSequence(CachedSequence):
