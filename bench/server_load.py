@@ -224,7 +224,7 @@ def mlx_lm_server(folder: Path, blas: str, log: Path, wait_s: float = 600.0):
     """`mlx_lm.server` on the checkpoint `folder`, in a subprocess on a free port; yields its
     base URL once it answers. `blas`: "fast" (this engine's) or "stock" (mlx-cpu's own)."""
     from urllib.error import HTTPError
-    from urllib.request import urlopen
+    from urllib.request import Request, urlopen
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -251,6 +251,13 @@ def mlx_lm_server(folder: Path, blas: str, log: Path, wait_s: float = 600.0):
                 if time.monotonic() > deadline:
                     raise SystemExit(f"mlx_lm.server did not answer within {wait_s:.0f} s") from e
                 time.sleep(0.5)
+        # It loads the model on its generation thread while already answering HTTP: one
+        # request now, so the loading never overlaps a measurement of either server.
+        body = {"model": "default_model", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 1}  # fmt: skip
+        request = Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                          {"Content-Type": "application/json"})  # fmt: skip
+        urlopen(request, timeout=wait_s).close()
         yield url
     finally:
         proc.terminate()
@@ -329,9 +336,9 @@ def main() -> None:
     if args.url is None:
         import engine
 
-        # With a peer, both servers load the same folder.
-        folder = model_path(args.model) if args.peer else None
-        eng = engine.load(str(folder) if folder else args.model, max_batch=args.max_batch)
+        # A registry name is the benchmarks' build of it (no download); a peer loads the same.
+        folder = model_path(args.model)
+        eng = engine.load(str(folder), max_batch=args.max_batch)
     series: dict[str, list[dict]] = {"chatml": []}
     if not args.peer:
         for clients in counts:

@@ -276,7 +276,7 @@ def load(
     `dtype` overrides the registry's compute dtype for this backend (float32 on CPUs).
     Quantized checkpoints stay quantized: on CPUs their matmuls go through the native kernels
     (`kernels.native`: a GEMV over the compact weights for decode, float32 BLAS for prefill);
-    float32 products of 1-32 rows (decode, batched decode, speculative verify) take its
+    float32 products of a few rows (decode, batched decode, speculative verify) take its
     float32 GEMV;
     mixture-of-experts checkpoints are dequantized on CPUs. `quantize=8|4` quantizes a float
     checkpoint at load (MLX's affine format, group 64, as `mlx_lm.convert` writes it).
@@ -393,7 +393,7 @@ def _load(model, *, dtype, chunked_delta, cache_bytes, quantize, speculative, sp
     if cpu and (quantize or (ckpt.quantization and not dequantize)):
         _native_cpu()  # build (once, into CHATML_HOME) or report the fallback now, not mid-turn
         use_cpu_kernels(net)
-    if cpu and name == "float32" and _native_cpu():  # float32 products of 1-32 rows
+    if cpu and name == "float32" and _native_cpu():  # float32 products of a few rows
         use_dense_kernels(net)
     if link is not None:
         sharding.ready(link)

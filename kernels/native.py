@@ -2,8 +2,8 @@
 
 MLX's own CPU ``quantized_matmul`` runs a decode step's 4/8-bit GEMVs at ~1 GB/s; the native
 primitive (``kernels/native/qgemv.cpp``, an MLX ``Primitive`` with ``eval_cpu``) reads the
-compact weights at memory speed. A decode step's float32 products of 1-32 rows go
-through ``kernels/native/dense.cpp``: OpenBLAS's sgemm reads the weights of so few rows at a
+compact weights at memory speed. A decode step's float32 products of a few rows
+(`DENSE_ROWS`) go through ``kernels/native/dense.cpp``: OpenBLAS's sgemm reads the weights of so few rows at a
 quarter of sgemv's speed, the native kernel reads them once for all rows. The Gated DeltaNet
 update of a few tokens (decode, verify, short segments) runs as ``kernels/native/delta.cpp``:
 one pass over each state row where MLX's ops make about four over the whole state (see
@@ -52,13 +52,15 @@ __all__ = [
 SOURCE_DIR = Path(__file__).resolve().parent / "native"
 MODULE = "_chatml_qgemv"
 GEMV_ROWS = 64  # up to this many rows of x use the GEMV kernel; more: dequantize + sgemm
-# Float32 rows of x that take the native dense GEMV: sgemm catches up at about 48 rows
-# (bench/qgemv.py --batch, BENCHMARKS.md). One row too: sgemv through the BLAS shim reads a
-# matrix as fast, but OpenBLAS's threads spin after each call on the cores the kernels' pool
-# computes on next, and whole decode steps ran 1.18-1.32x faster with every product here
-# (BENCHMARKS.md, "One row through the native GEMV too"). The portable kernel (no AVX2)
-# leaves one row to the BLAS.
-DENSE_ROWS = (1, 32)
+# Float32 rows of x that take the native dense GEMV, by the kernel this CPU runs (measured
+# with `bench.qgemv --batch` and whole decode steps and short prefills, BENCHMARKS.md):
+# - avx512: 1-32 rows. sgemm catches up at about 48. One row too: sgemv reads a matrix as
+#   fast, but OpenBLAS's threads spin after each call on the cores the kernels' pool computes
+#   on next; whole decode steps ran 1.18-1.32x faster with every product here.
+# - avx2 (4 rows of x per register tile, against 8): 2-12 rows. sgemv is faster for one row
+#   (decode steps 1.17-1.21x), and sgemm from about 16 (prefills of 16-32 tokens 1.15-1.49x).
+# - generic (the portable kernel): from 2 rows; one row goes to sgemv.
+DENSE_ROWS = {"avx512": (1, 32), "avx2": (2, 12), "generic": (2, 32)}
 
 
 @dataclass(frozen=True)
@@ -283,17 +285,16 @@ def quantized_matmul(x, w, scales, biases, group_size: int, bits: int):
 
 
 def dense_rows() -> tuple[int, int]:
-    """The rows of x that take the native dense GEMV here: `DENSE_ROWS`, from 2 where only
-    the portable kernel runs (it leaves one row to sgemv)."""
-    lo, hi = DENSE_ROWS
-    return (max(lo, 2), hi) if info().isa == "generic" else (lo, hi)
+    """The rows of x that take the native dense GEMV here (`DENSE_ROWS` of the kernel that
+    runs; the portable kernel's where none does)."""
+    return DENSE_ROWS.get(info().isa, DENSE_ROWS["generic"])
 
 
 def dense_matmul(x, w):
-    """``x @ w.T`` for a float32 weight ``w [N, K]``: the native GEMV when x has 1-32 rows (a
-    decode step, a batched one, a speculative verify, a short prefill), MLX's matmul otherwise
-    (longer prefills: sgemm; one row with the portable kernel: sgemv through the BLAS shim)
-    and on the Python path. The same float32 dot products either way, summed in another
+    """``x @ w.T`` for a float32 weight ``w [N, K]``: the native GEMV when x has `dense_rows()`
+    rows (a decode step, a batched one, a speculative verify, a short prefill), MLX's matmul
+    otherwise (longer prefills: sgemm; one row where sgemv is faster: sgemv through the BLAS
+    shim) and on the Python path. The same float32 dot products either way, summed in another
     order. A weight that is a view (e.g. transposed) is copied to row-major per call: correct,
     but slow for big matrices."""
     import mlx.core as mx

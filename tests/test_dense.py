@@ -97,7 +97,7 @@ def test_compile_views_and_bad_input(mod):
         mod.dense_gemv(x, w.astype(mx.float16))
 
 
-def test_dense_matmul_takes_the_kernel_for_1_to_32_rows(mod, monkeypatch):
+def test_dense_matmul_takes_the_kernel_for_its_rows(mod, monkeypatch):
     calls = []
 
     class Spy:
@@ -107,16 +107,15 @@ def test_dense_matmul_takes_the_kernel_for_1_to_32_rows(mod, monkeypatch):
 
     monkeypatch.setattr(native, "module", lambda: Spy())
     w = mx.random.normal((64, 32))
-    lo, hi = native.DENSE_ROWS
-    assert lo == 1
+    lo, hi = native.dense_rows()
+    assert (lo, hi) == native.DENSE_ROWS[native.info().isa] and 1 <= lo <= 2 < hi
     for rows in (1, 2, hi, hi + 1):
         x = mx.random.normal((rows, 32))
         assert mx.allclose(native.dense_matmul(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
     native.dense_matmul(mx.random.normal((4, 32)).astype(mx.bfloat16), w.astype(mx.bfloat16))
-    # One row takes the SIMD kernels (the portable one leaves it to sgemv); hi + 1 rows and
-    # bfloat16 stay with MLX.
-    one = [(1, 32)] if native.info().isa != "generic" else []
-    assert calls == [*one, (2, 32), (hi, 32)]
+    # One row takes the kernel where its table says so (AVX-512); hi + 1 rows and bfloat16
+    # stay with MLX.
+    assert calls == [(r, 32) for r in (1, 2, hi) if lo <= r]
 
 
 def test_two_threads_at_once(mod):
@@ -181,7 +180,7 @@ def test_doctor_names_the_float32_batch_path(mod, capsys, monkeypatch):
     monkeypatch.setattr(blas, "measure_gflops", lambda: 1.0)  # the report, not the speed
     assert main(["doctor", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    lo, hi = native.DENSE_ROWS
+    lo, hi = native.dense_rows()
     isa = native.info().isa
     assert report["float32_batch_path"].startswith(f"native GEMV for {lo}-{hi} rows ({isa})")
     assert report["delta_decode_path"].startswith("native fused update for 1-")
@@ -192,6 +191,7 @@ def test_doctor_names_the_float32_batch_path(mod, capsys, monkeypatch):
     assert main(["doctor", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     path = report["float32_batch_path"]
+    lo, hi = native.dense_rows()  # the portable kernel's, none running
     assert path == f"BLAS sgemm (slower for {lo}-{hi} rows: disabled by CHATML_NATIVE=0)"
     assert report["delta_decode_path"] == (
         "MLX ops, compiled (no fused update: disabled by CHATML_NATIVE=0)"
