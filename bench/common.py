@@ -54,6 +54,19 @@ def write_json(path: str | None, result: dict) -> None:
         Path(path).write_text(json.dumps(result, indent=1))
 
 
+def save_plot(fig, axes, file: str) -> None:
+    """Grid and legend on each of `axes`, then `fig` to the PNG `file` (its folder made)."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(file).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(file, dpi=90)
+    plt.close(fig)
+
+
 def version(package: str) -> str:
     try:
         return importlib.metadata.version(package)

@@ -38,11 +38,17 @@ import json
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from statistics import median
 
 from bench import mlx_lm_series
-from bench.common import conditions, load_mlx_lm, model_path, special_ids, write_json
+from bench.common import (
+    conditions,
+    load_mlx_lm,
+    model_path,
+    save_plot,
+    special_ids,
+    write_json,
+)
 from bench.conversation import SYSTEM, user_turns
 
 ENGINES = (
@@ -436,13 +442,7 @@ def plot(result: dict, file: str) -> None:
     ax2.set_ylabel("prefilled tokens")
     ax2.set_xlabel("turn")
     ax2.set_xticks(turns)
-    for ax in (ax1, ax2):
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    Path(file).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(file, dpi=90)
-    plt.close(fig)
+    save_plot(fig, (ax1, ax2), file)
 
 
 def main() -> None:

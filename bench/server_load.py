@@ -40,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import child_env, conditions, model_path, write_json
+from bench.common import child_env, conditions, model_path, save_plot, write_json
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -296,13 +296,7 @@ def plot(series: dict[str, list[dict]], title: str, file: str) -> None:
     ax2.set_xlabel("concurrent clients")
     ax2.set_xscale("log", base=2)
     ax2.set_xticks(clients, [str(c) for c in clients])
-    for ax in (ax1, ax2):
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    Path(file).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(file, dpi=90)
-    plt.close(fig)
+    save_plot(fig, (ax1, ax2), file)
 
 
 def main() -> None:
