@@ -3,13 +3,13 @@
 MLX's own CPU ``quantized_matmul`` runs a decode step's 4/8-bit GEMVs at ~1 GB/s; the native
 primitive (``kernels/native/qgemv.cpp``, an MLX ``Primitive`` with ``eval_cpu``) reads the
 compact weights at memory speed. A decode step's float32 products of a few rows
-(`DENSE_ROWS`) go through ``kernels/native/dense.cpp``: OpenBLAS's sgemm reads the weights of so few rows at a
-quarter of sgemv's speed, the native kernel reads them once for all rows. The Gated DeltaNet
-update of a few tokens (decode, verify, short segments) runs as ``kernels/native/delta.cpp``:
-one pass over each state row where MLX's ops make about four over the whole state (see
-``kernels.delta_rule.gated_delta_rows``). The gates of a prefill (silu, sigmoid, the conv's silu)
-run as ``kernels/native/activations.cpp``: MLX's CPU exp is scalar on x86 (see
-``kernels.activations``). They are compiled with CMake against MLX's exported package and
+(`DENSE_ROWS`) go through ``kernels/native/dense.cpp``: OpenBLAS's sgemm reads the weights of
+so few rows at a quarter of sgemv's speed, the native kernel reads them once for all rows.
+The Gated DeltaNet update of a few tokens (decode, verify, short segments) runs as
+``kernels/native/delta.cpp``: one pass over each state row where MLX's ops make about four
+over the whole state (see ``kernels.delta_rule.gated_delta_rows``). The gates of a prefill
+(silu, sigmoid, the conv's silu) run as ``kernels/native/activations.cpp``: MLX's CPU exp is
+scalar on x86 (see ``kernels.activations``). They are compiled with CMake against MLX's exported package and
 nanobind into ``CHATML_HOME/kernels/<key>/``, keyed by MLX version, nanobind version, Python,
 machine and a hash of the sources, so an MLX upgrade rebuilds instead of loading a module
 built for another ABI. ``chatml build-kernels`` builds it explicitly.
@@ -287,7 +287,11 @@ def quantized_matmul(x, w, scales, biases, group_size: int, bits: int):
 def dense_rows() -> tuple[int, int]:
     """The rows of x that take the native dense GEMV here (`DENSE_ROWS` of the kernel that
     runs; the portable kernel's where none does)."""
-    return DENSE_ROWS.get(info().isa, DENSE_ROWS["generic"])
+    return _dense_rows(info().isa)
+
+
+def _dense_rows(isa: str) -> tuple[int, int]:
+    return DENSE_ROWS.get(isa, DENSE_ROWS["generic"])
 
 
 def dense_matmul(x, w):
@@ -307,7 +311,7 @@ def dense_matmul(x, w):
         and x.shape[-1] == w.shape[1] > 0
         and (mod := module()) is not None
     ):
-        lo, hi = dense_rows()
+        lo, hi = _dense_rows(_info.isa)  # loaded by module() just above; no second lock
         if lo <= x.size // x.shape[-1] <= hi:
             return mod.dense_gemv(x, w)
     return x @ w.T
