@@ -9,10 +9,10 @@ The Gated DeltaNet update of a few tokens (decode, verify, short segments) runs 
 ``kernels/native/delta.cpp``: one pass over each state row where MLX's ops make about four
 over the whole state (see ``kernels.delta_rule.gated_delta_rows``). The gates of a prefill
 (silu, sigmoid, the conv's silu) run as ``kernels/native/activations.cpp``: MLX's CPU exp is
-scalar on x86 (see ``kernels.activations``). They are compiled with CMake against MLX's exported package and
-nanobind into ``CHATML_HOME/kernels/<key>/``, keyed by MLX version, nanobind version, Python,
-machine and a hash of the sources, so an MLX upgrade rebuilds instead of loading a module
-built for another ABI. ``chatml build-kernels`` builds it explicitly.
+scalar on x86 (see ``kernels.activations``). They are compiled with CMake against MLX's
+exported package and nanobind into ``CHATML_HOME/kernels/<key>/``, keyed by MLX version,
+nanobind version, Python, machine and a hash of the sources, so an MLX upgrade rebuilds
+instead of loading a module built for another ABI. ``chatml build-kernels`` builds it explicitly.
 
 Without a compiler, CMake or nanobind (or with ``CHATML_NATIVE=0``) everything still works
 through the Python path (MLX's ops), and one line on stderr says why, once per process.
