@@ -43,6 +43,22 @@ class Held:
         self.go.set()
 
 
+def run_together(eng, ask, n: int) -> None:
+    """`ask(i)` for i < n, each on its own thread; their requests queue behind the held model
+    thread and start in one round. Returns when every call has."""
+    held = Held(eng)
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while eng.worker.queued() < n:  # all wait behind the held thread
+        assert time.monotonic() < deadline, "the requests never reached the model thread"
+        time.sleep(0.01)
+    held.release()
+    for t in threads:
+        t.join(180)
+
+
 class Request:
     """One chat request through `StatelessChat.submit` (what the server runs), recorded."""
 
@@ -187,17 +203,7 @@ def test_concurrent_engine_chats_from_threads_share_steps(eng, monkeypatch):
         results[i] = eng.chat(messages(40 + i), max_tokens=24, temperature=0)
 
     before = eng.batch_stats
-    held = Held(eng)
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 120
-    while eng.worker.queued() < 2:  # both wait behind the held thread
-        assert time.monotonic() < deadline, "the requests never reached the model thread"
-        time.sleep(0.01)
-    held.release()
-    for t in threads:
-        t.join(180)
+    run_together(eng, ask, 2)
     assert [len(results[i].token_ids) for i in range(2)] == [24, 24]
     steps = eng.batch_stats["steps"] - before["steps"]
     rows = eng.batch_stats["rows"] - before["rows"]
@@ -263,7 +269,6 @@ def test_concurrent_conversations_reuse_their_caches_as_one_client_does(eng):
 
 def test_concurrent_clients_of_the_server_batch_and_answer_as_alone(eng):
     """The official openai client, four streams at once against the real server."""
-    import time
 
     import openai
 
@@ -286,17 +291,7 @@ def test_concurrent_clients_of_the_server_batch_and_answer_as_alone(eng):
             results[i] = ("".join(text), usage)
 
         before = eng.batch_stats
-        held = Held(eng)
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 120
-        while eng.worker.queued() < 4:  # all four requests wait behind the held thread
-            assert time.monotonic() < deadline, "the requests never reached the model thread"
-            time.sleep(0.01)
-        held.release()
-        for t in threads:
-            t.join(180)
+        run_together(eng, ask, 4)
         assert eng.batch_stats["widest"] >= 2 and eng.batch_stats["steps"] > before["steps"]
         together = dict(results)
         for i in range(4):  # the same requests again, one at a time
