@@ -5,6 +5,12 @@ every row one token through `step.forward` (one batched pass, as the scheduler r
 samples greedily. Reports, per batch size, the best-of-`--repeats` time of `--steps` steps,
 the time per step relative to batch 1, and aggregate tokens/s relative to batch 1 (issue 19's
 targets: a step at batch 4 <= 1.3x batch 1, at batch 8 <= 1.8x). Prints a table, then JSON.
+
+Every round times each batch size and each variant in turn, so the ratios share the moments of
+a noisy machine's load. Variants: `--paths` (the Gated DeltaNet decode update) and
+`--dense-rows LO-HI,...` (which row counts take the native few-row GEMV instead of MLX's
+matmul, `kernels.native.DENSE_ROWS`; `none` for MLX's matmul at every size), e.g.
+`--dense-rows 2-12,1-12,none` for an A/B of the crossover.
 """
 
 from __future__ import annotations
@@ -19,20 +25,38 @@ PATHS = ("auto", "fused", "step")
 _NATIVE = None  # kernels.delta_rule._native as loaded (run sets it; "step" swaps it out)
 
 
-def _use_path(net, path: str, compiled: dict) -> None:
-    """Make the decode steps take `path`: the choice is made when a layer's step is traced,
-    so each path keeps its own compiled steps (`compiled`: path -> per layer), traced once."""
+def _use_variant(net, variant: tuple[str, str], compiled: dict) -> None:
+    """Make the decode steps take `variant` (path, dense rows): both choices are made when a
+    layer's step is traced, so each variant keeps its own compiled steps (`compiled`: variant
+    -> per layer), traced once."""
     import kernels.delta_rule as dr
+    from kernels import native
 
+    path, rows = variant
     dr._native = _NATIVE if path != "step" else (lambda: None)  # "step": as if not built
     if path == "fused" and _NATIVE() is None:
         raise SystemExit("--paths fused needs the native CPU kernels (kernels.native)")
-    for layer, steps in zip(net.layers, compiled.setdefault(path, [None] * len(net.layers))):
+    if rows != "default":
+        native.DENSE_ROWS[native.info().isa] = _rows(rows)
+    for layer, steps in zip(net.layers, compiled.setdefault(variant, [None] * len(net.layers))):
         layer._steps = steps
 
 
-def _keep_path(net, path: str, compiled: dict) -> None:
-    compiled[path] = [layer._steps for layer in net.layers]
+def _keep_variant(net, variant: tuple[str, str], compiled: dict) -> None:
+    compiled[variant] = [layer._steps for layer in net.layers]
+
+
+def _rows(spec: str) -> tuple[int, int]:
+    """`--dense-rows` item -> (lo, hi): "2-12" -> (2, 12); "none" -> no row count."""
+    if spec == "none":
+        return (1, 0)
+    lo, hi = (int(n) for n in spec.split("-"))
+    return (lo, hi)
+
+
+def _label(variant: tuple[str, str]) -> str:
+    path, rows = variant
+    return path if rows == "default" else f"{path}/rows={rows}"
 
 
 def _load() -> str:
@@ -42,7 +66,8 @@ def _load() -> str:
 
 
 def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
-        clock: str = "wall", paths: tuple[str, ...] = ("auto",)) -> dict:  # fmt: skip
+        clock: str = "wall", paths: tuple[str, ...] = ("auto",),
+        dense_rows: tuple[str, ...] = ("default",)) -> dict:  # fmt: skip
     import engine  # noqa: I001  (before mlx: the fast BLAS loads first)
     import mlx.core as mx
 
@@ -52,8 +77,11 @@ def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
 
     from bench.common import model_path
 
+    from kernels import native
+
     global _NATIVE
     _NATIVE = dr._native
+    table = dict(native.DENSE_ROWS)
     now = CLOCKS[clock]
     load_at_start = _load()
     eng = engine.load(str(model_path(model)))
@@ -84,25 +112,26 @@ def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
         return took
 
     compiled: dict = {}
-    results = {p: {} for p in paths}
-    for B in batches:
-        best = dict.fromkeys(paths, float("inf"))
+    variants = [(p, r) for p in paths for r in dense_rows]
+    best = {v: dict.fromkeys(batches, float("inf")) for v in variants}
+    try:
         for i in range(repeats + 1):  # round 0 traces the compiled steps: untimed
-            for path in paths:  # interleaved: every path sees the same moments of the load
-                _use_path(net, path, compiled)
-                took = steps_of(B)
-                _keep_path(net, path, compiled)
-                if i:
-                    best[path] = min(best[path], took)
-        for path in paths:
-            results[path][B] = best[path] / steps
-    dr._native = _NATIVE
+            for B in batches:  # interleaved: every cell sees the same moments of the load
+                for v in variants:
+                    _use_variant(net, v, compiled)
+                    took = steps_of(B)
+                    _keep_variant(net, v, compiled)
+                    if i:
+                        best[v][B] = min(best[v][B], took)
+    finally:
+        dr._native = _NATIVE
+        native.DENSE_ROWS.update(table)
     out = {"bench": "batch", "model": model, "context": context, "steps": steps,
-           "clock": clock, "load": [load_at_start, _load()]}  # fmt: skip
-    for path in paths:
-        times = results[path]
+           "clock": clock, "isa": native.info().isa, "load": [load_at_start, _load()]}  # fmt: skip
+    for v in variants:
+        times = {b: t / steps for b, t in best[v].items()}
         base = times[batches[0]]
-        out[path] = {
+        out[_label(v)] = {
             "step_ms": {str(b): round(t * 1000, 2) for b, t in times.items()},
             "step_ratio": {str(b): round(t / base, 2) for b, t in times.items()},
             "aggregate_speedup": {str(b): round(b * base / t, 2) for b, t in times.items()},
@@ -119,18 +148,31 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     p.add_argument("--paths", default="auto", help=f"comma-separated, of {', '.join(PATHS)}")
+    p.add_argument(
+        "--dense-rows",
+        default="default",
+        help="comma-separated row ranges for the native dense GEMV, e.g. 2-12,1-12,none "
+        "(default: kernels.native.DENSE_ROWS)",
+    )
     args = p.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     paths = tuple(args.paths.split(","))
     if unknown := [x for x in paths if x not in PATHS]:
         p.error(f"unknown --paths {', '.join(unknown)} (choose from {', '.join(PATHS)})")
-    result = run(args.model, batches, args.context, args.steps, args.repeats, args.clock, paths)
-    for path in paths:
-        r = result[path]
-        print(f"{path}: {'batch':>6} {'ms/step':>9} {'x batch 1':>10} {'tok/s x':>8}")
+    dense_rows = tuple(args.dense_rows.split(","))
+    for spec in set(dense_rows) - {"default"}:
+        try:
+            _rows(spec)
+        except ValueError:
+            p.error(f"bad --dense-rows item {spec!r}: want LO-HI (e.g. 2-12), none or default")
+    result = run(args.model, batches, args.context, args.steps, args.repeats, args.clock, paths,
+                 dense_rows)  # fmt: skip
+    for label in (_label((p_, r)) for p_ in paths for r in dense_rows):
+        r = result[label]
+        print(f"{label}: {'batch':>6} {'ms/step':>9} {'x batch 1':>10} {'tok/s x':>8}")
         for b in batches:
             k = str(b)
-            print(f"{' ' * len(path)}  {b:>6} {r['step_ms'][k]:>9} {r['step_ratio'][k]:>10} "
+            print(f"{' ' * len(label)}  {b:>6} {r['step_ms'][k]:>9} {r['step_ratio'][k]:>10} "
                   f"{r['aggregate_speedup'][k]:>8}")  # fmt: skip
     print(json.dumps(result))
 
