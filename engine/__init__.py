@@ -16,8 +16,10 @@ if _where != _Path(__file__).resolve().parent.parent / "kernels":
     )
 
 from kernels import blas as _blas  # noqa: E402
+from kernels import heap as _heap  # noqa: E402
 
 _blas.enable()  # must run before MLX loads: MLX resolves cblas_sgemm at load time
+_heap.enable()  # before the weights and the first step: freed step buffers stay mapped
 
 from .engine import Engine, load  # noqa: E402
 from .session import TurnConflict  # noqa: E402

@@ -159,7 +159,7 @@ def _doctor(args) -> int:
 
     import mlx.core as mx
 
-    from kernels import blas
+    from kernels import blas, heap
     from kernels.choice import device_kind
 
     from .engine import backend
@@ -183,6 +183,7 @@ def _doctor(args) -> int:
         "blas_provider": info.provider,
         "blas_core": blas.core(),  # OpenBLAS's kernel set; OPENBLAS_CORETYPE may pin an older one
         "blas_note": info.reason,
+        "malloc": heap.info(),  # glibc thresholds pinned so step buffers are not refaulted
         "quantized_cpu_path": native_path(),
         "float32_batch_path": dense_path(),
         "delta_decode_path": delta_path(),
