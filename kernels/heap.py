@@ -6,7 +6,7 @@ step. glibc moves two thresholds as it goes: blocks above the mmap threshold get
 mapping, returned to the kernel on free, and a heap whose free top outgrows the trim threshold
 is shrunk. A batched step's buffers (at batch 8 on the 0.8B: Gated DeltaNet states of 8 MiB per
 layer, 7.9 MB of logits) cross both, so every other step faulted ~40,000 pages (160 MB) back
-in, each zeroed by the kernel first: a quarter of the step (BENCHMARKS.md, "Continuous
+in, each zeroed by the kernel first: 4-15% of a batch-8 step (BENCHMARKS.md, "Continuous
 batching").
 
 `enable()` pins both with `mallopt`: blocks below 32 MiB (glibc's largest mmap threshold) come
