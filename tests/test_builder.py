@@ -26,6 +26,14 @@ def test_build_is_deterministic_and_seed_dependent(tmp_path):
     assert c["model.safetensors"] != a["model.safetensors"] and c["config.json"] == a["config.json"]
 
 
+def test_progress_in_a_log_is_a_line_every_ten_percent(tmp_path, capsys):
+    build(registry.get("tiny"), tmp_path / "a", progress=True)  # stderr is not a terminal here
+    lines = capsys.readouterr().err.splitlines()
+    assert "\r" not in "".join(lines) and 2 <= len(lines) <= 11, lines
+    percents = [float(line.split(": ")[1].split("%")[0]) for line in lines]
+    assert percents == sorted(percents) and percents[-1] == 100.0, lines
+
+
 def test_hub_layout_and_official_names(tmp_path):
     entry = registry.get("tiny")
     path = build(entry, tmp_path / "m")

@@ -329,15 +329,18 @@ def build(
         size += s.numel * itemsize
 
     total, done, start = sum(s.numel for s in specs), 0, time.monotonic()
+    # A terminal's line is redrawn at every whole percent; a log gets a line every 10%.
+    tty, shown = progress and sys.stderr.isatty(), -1
 
     def on_tensor(s: TensorSpec) -> None:
-        nonlocal done
+        nonlocal done, shown
         done += s.numel
-        if progress:
-            pct = 100 * done / total
-            sys.stderr.write(
-                f"\rbuilding {entry.name}: {pct:5.1f}% ({time.monotonic() - start:.0f} s)"
-            )
+        pct = 100 * done / total
+        step = int(pct) if tty else int(pct) // 10 * 10
+        if progress and step > shown:
+            shown = step
+            line = f"building {entry.name}: {pct:5.1f}% ({time.monotonic() - start:.0f} s)"
+            sys.stderr.write(f"\r{line}" if tty else f"{line}\n")
             sys.stderr.flush()
 
     trained = read_trained(entry.trained) if entry.trained else None
@@ -355,7 +358,7 @@ def build(
             "weight_map": {s.name: n for n, sh in zip(names, shards) for s in sh},
         }
         (work / "model.safetensors.index.json").write_bytes(dump_json(index))
-    if progress:
+    if tty:
         sys.stderr.write("\n")
 
     (work / "config.json").write_bytes(dump_json(hf_config(entry, dtype)))
