@@ -91,8 +91,12 @@ def main() -> None:
     cells += [(max(ks), rate, True) for rate in rates] if args.adaptive else []
     if args.mtp:
         cells += [(k, "mtp", False) for k in ks] + [(max(ks), "mtp", True)]
-    for k in ks:  # warm-up: compile each verify shape once
+    # warm-up: compile each verify shape once (the adaptive k's probes verify one draft; the
+    # MTP head traces its own draft steps), so no timed run pays a first trace
+    for k in sorted(set(ks) | ({1} if args.adaptive or args.mtp else set())):
         _run(eng.model, prompt, 8, InjectedDrafter(truth, len(prompt), 0.0), k)
+        if args.mtp:
+            _run(eng.model, prompt, 8, MTPDrafter(), k)
     for k, rate, adaptive in cells:
         spec, plain = [], []
         for _ in range(args.repeats):
