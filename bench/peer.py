@@ -143,7 +143,8 @@ def main() -> None:
     work = Path(a.work).expanduser() if a.work else chatml_home() / "peer"
     src = llama_cpp(work, a.jobs)
     ckpt = model_path(a.model)
-    files = {fmt: gguf(src, work, ckpt, fmt) for fmt in a.formats.split(",") if fmt}
+    formats = [fmt.strip().lower() for fmt in a.formats.split(",") if fmt.strip()]  # Q8_0 = q8_0
+    files = {fmt: gguf(src, work, ckpt, fmt) for fmt in formats}
     if a.prepare_only:
         return
     runs: dict[str, list[dict]] = {}
