@@ -25,10 +25,10 @@ PATHS = ("auto", "fused", "step")
 _NATIVE = None  # kernels.delta_rule._native as loaded (run sets it; "step" swaps it out)
 
 
-def _use_variant(net, variant: tuple[str, str], compiled: dict) -> None:
-    """Make the decode steps take `variant` (path, dense rows): both choices are made when a
-    layer's step is traced, so each variant keeps its own compiled steps (`compiled`: variant
-    -> per layer), traced once."""
+def _use_variant(net, variant: tuple[str, str], compiled: dict, table: dict) -> None:
+    """Make the decode steps take `variant` (path, dense rows; "default": `table`, the row
+    table as found): both choices are made when a layer's step is traced, so each variant
+    keeps its own compiled steps (`compiled`: variant -> per layer), traced once."""
     import kernels.delta_rule as dr
     from kernels import native
 
@@ -36,8 +36,8 @@ def _use_variant(net, variant: tuple[str, str], compiled: dict) -> None:
     dr._native = _NATIVE if path != "step" else (lambda: None)  # "step": as if not built
     if path == "fused" and _NATIVE() is None:
         raise SystemExit("--paths fused needs the native CPU kernels (kernels.native)")
-    if rows != "default":
-        native.DENSE_ROWS[native.info().isa] = _rows(rows)
+    isa = native.info().isa
+    native.DENSE_ROWS[isa] = table[isa] if rows == "default" else _rows(rows)
     for layer, steps in zip(net.layers, compiled.setdefault(variant, [None] * len(net.layers))):
         layer._steps = steps
 
@@ -118,7 +118,7 @@ def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
         for i in range(repeats + 1):  # round 0 traces the compiled steps: untimed
             for B in batches:  # interleaved: every cell sees the same moments of the load
                 for v in variants:
-                    _use_variant(net, v, compiled)
+                    _use_variant(net, v, compiled, table)
                     took = steps_of(B)
                     _keep_variant(net, v, compiled)
                     if i:

@@ -8,7 +8,7 @@ from kernels import native
 
 
 class Counting:
-    """`native.module()` with its dense GEMV counted against the row table in force."""
+    """`native.module()` with its dense GEMV calls recorded: (the row table in force, rows)."""
 
     def __init__(self, mod, calls: list):
         self._mod, self._calls = mod, calls
@@ -17,7 +17,7 @@ class Counting:
         return getattr(self._mod, name)
 
     def dense_gemv(self, x, w):
-        self._calls.append(native.DENSE_ROWS[native.info().isa])
+        self._calls.append((native.DENSE_ROWS[native.info().isa], x.shape[0]))
         return self._mod.dense_gemv(x, w)
 
 
@@ -28,13 +28,17 @@ def test_batch_bench_times_each_dense_rows_variant(monkeypatch, capsys):
     calls: list = []
     monkeypatch.setattr(native, "module", lambda: Counting(mod, calls))
     argv = ["python -m bench.batch", "--model", "tiny", "--batch", "1,2", "--context", "8",
-            "--steps", "2", "--repeats", "1", "--dense-rows", "default,1-2,none"]  # fmt: skip
+            "--steps", "2", "--repeats", "1", "--dense-rows", "1-2,none,default"]  # fmt: skip
     monkeypatch.setattr("sys.argv", argv)
     batch.main()
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for label in ("auto", "auto/rows=1-2", "auto/rows=none"):
         assert result[label]["step_ratio"]["1"] == 1.0
         assert all(ms > 0 for ms in result[label]["step_ms"].values())
-    assert (1, 2) in calls  # the 1-2 variant took the native GEMV...
-    assert (1, 0) not in calls  # ...and "none" never did
+    tables = {t for t, _ in calls}
+    assert (1, 2) in tables  # the 1-2 variant took the native GEMV...
+    assert (1, 0) not in tables  # ...and "none" never did
+    # "default", run after both, used the table as found on its two-row steps (the prefills
+    # before it only put one row, the last position's logits, through the kernel)
+    assert (table[native.info().isa], 2) in calls
     assert native.DENSE_ROWS == table  # the bench leaves the table as it found it
