@@ -154,6 +154,14 @@ def _build_kernels(args) -> int:
     return 0
 
 
+def float32_matmul(kind: str) -> str:
+    """How MLX computes float32 products here: on CUDA in TF32 unless MLX_ENABLE_TF32=0, which
+    `import engine` sets unless the user set it (engine/__init__.py)."""
+    if kind != "cuda" or os.environ.get("MLX_ENABLE_TF32", "1") == "0":
+        return "float32"
+    return "TF32 (MLX_ENABLE_TF32 is set: float32 products keep ~10 bits, ~3e-4 relative)"
+
+
 def _doctor(args) -> int:
     import platform
 
@@ -184,6 +192,7 @@ def _doctor(args) -> int:
         "blas_core": blas.core(),  # OpenBLAS's kernel set; OPENBLAS_CORETYPE may pin an older one
         "blas_note": info.reason,
         "malloc": heap.info(),  # glibc thresholds pinned so step buffers are not refaulted
+        "float32_matmul": float32_matmul(device_kind()),
         "quantized_cpu_path": native_path(),
         "float32_batch_path": dense_path(),
         "delta_decode_path": delta_path(),
