@@ -340,9 +340,14 @@ def _load(model, *, dtype, chunked_delta, cache_bytes, quantize, speculative, sp
             "drop it: load the bf16 checkpoint (quantize= at load keeps the head), or use "
             "speculative='lookup'"
         )
-    name = dtype or ckpt.entry.compute_dtype.get(backend(), "float32")
+    name = (
+        dtype
+        or os.environ.get("CHATML_DTYPE")
+        or ckpt.entry.compute_dtype.get(backend(), "float32")
+    )
     if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
+        given = "dtype" if dtype else "CHATML_DTYPE"
+        raise ValueError(f"{given} must be one of {', '.join(_DTYPES)}, got {name!r}")
     if ckpt.entry.arch.is_moe and backend() == "cpu" and name != "float32":
         raise ValueError(
             f"{name} mixture-of-experts models need a GPU: MLX's CPU gather_mm (the routed "

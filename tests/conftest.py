@@ -32,6 +32,9 @@ def _throwaway_home() -> str:
 # per pytest-xdist worker (never the user's CHATML_HOME: two workers would build into it at
 # once, and tests must not touch a real home).
 os.environ["CHATML_HOME"] = _throwaway_home()
+# The suite's exactness bounds are float32's: on a GPU the registry would load bfloat16 (tests of
+# half precision ask for it by name). engine sets MLX_ENABLE_TF32=0 for the same reason.
+os.environ.setdefault("CHATML_DTYPE", "float32")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # One worker per core: OpenBLAS at one thread each, or its threads (which spin after each
     # call) take the core another worker computes on. The native kernels' pool keeps its

@@ -270,7 +270,7 @@ def test_concurrent_conversations_reuse_their_caches_as_one_client_does(eng):
 def test_concurrent_clients_of_the_server_batch_and_answer_as_alone(eng):
     """The official openai client, four streams at once against the real server."""
 
-    import openai
+    openai = pytest.importorskip("openai", reason="the openai client: pip install -e '.[dev]'")
 
     from engine.serving.server import BackgroundServer, ServerConfig
 

@@ -122,3 +122,20 @@ def test_moe_in_half_precision_on_the_cpu_is_refused_clearly(tiny_moe):
         pytest.skip("only the CPU backend lacks half-precision gather_mm")
     with pytest.raises(ValueError, match="float32"):
         engine.load(str(tiny_moe.path), dtype="bfloat16")
+
+
+def test_chatml_dtype_sets_the_default_dtype_and_an_explicit_one_wins(checkpoint, monkeypatch):
+    """CHATML_DTYPE stands in for the registry's per-device default (the suite sets float32, so
+    a GPU runs the float32 exactness tests); `dtype=` overrides it; a bad value is named."""
+
+    def dtype_of(eng):
+        return eng.model.norm.weight.dtype
+
+    monkeypatch.setenv("CHATML_DTYPE", "bfloat16")
+    assert dtype_of(engine.load(str(checkpoint))) == mx.bfloat16
+    assert dtype_of(engine.load(str(checkpoint), dtype="float32")) == mx.float32
+    monkeypatch.setenv("CHATML_DTYPE", "fp8")
+    with pytest.raises(ValueError, match="CHATML_DTYPE must be one of float32, bfloat16"):
+        engine.load(str(checkpoint))
+    with pytest.raises(ValueError, match="^dtype must be one of"):
+        engine.load(str(checkpoint), dtype="fp8")

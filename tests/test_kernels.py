@@ -20,6 +20,7 @@ from kernels import (  # noqa: E402
     native,
     unit_lower_inverse,
 )
+from kernels.choice import device_kind  # noqa: E402
 
 TOL = 1e-5  # max abs error allowed, relative to the reference output's max abs value
 
@@ -303,4 +304,4 @@ def test_auto_follows_the_choice_on_this_device(monkeypatch) -> None:
     monkeypatch.setattr(dr, "choose", lambda *a, **k: picked.append(a) or "chunked")
     inputs = make_inputs(5, with_state=True)
     assert_close(inputs, method="auto")  # 5 steps would be sequential; the choice says chunked
-    assert picked == [("cpu", 2, 2, 32, 32, 5)]
+    assert picked == [(device_kind(), 2, 2, 32, 32, 5)]
