@@ -40,6 +40,13 @@ DEPENDENCIES = [
 ]
 
 
+# MLX's CUDA 13 backend compiles some kernels at run time (NVRTC) against the pip CUDA headers
+# in nvidia/cu13/include, whose mma.h includes crt/mma.h: a file of the nvidia-cuda-crt wheel,
+# which mlx-cuda-13 does not require. Without it the 4-bit matmul failed on an H200 with
+# `cannot open source file "crt/mma.h"` (bench/gpu_check.py, BENCHMARKS.md).
+CUDA13_HEADERS = "nvidia-cuda-crt==13.*; sys_platform == 'linux'"
+
+
 def mlx_requirements(choice: str | None, nvidia_driver: bool) -> list[str]:
     """Base MLX requirements for Linux and macOS given CHATML_MLX_BACKEND and the driver."""
     if choice is not None and choice not in BACKENDS:
@@ -47,7 +54,10 @@ def mlx_requirements(choice: str | None, nvidia_driver: bool) -> list[str]:
     backend = choice or ("none" if nvidia_driver else "cpu")
     reqs = [f"mlx>={MLX}; sys_platform == 'darwin'"]
     linux = "mlx" if backend == "none" else f"mlx[{backend}]"
-    return reqs + [f"{linux}>={MLX}; sys_platform == 'linux'"]
+    reqs.append(f"{linux}>={MLX}; sys_platform == 'linux'")
+    if backend == "cuda13":
+        reqs.append(CUDA13_HEADERS)
+    return reqs
 
 
 def _nvidia_driver() -> bool:

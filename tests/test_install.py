@@ -16,7 +16,7 @@ def mlx_requirements(*args):
 
 
 def linux(reqs):
-    (req,) = [r for r in reqs if "linux" in r]
+    (req,) = [r for r in reqs if "linux" in r and r.startswith("mlx")]
     return req.split(">=")[0]
 
 
@@ -32,7 +32,10 @@ def test_a_machine_with_an_nvidia_driver_picks_its_backend_by_extra():
 @pytest.mark.parametrize("choice", ["cpu", "cuda12", "cuda13"])
 def test_the_environment_variable_decides(choice):
     for driver in (False, True):
-        assert linux(mlx_requirements(choice, driver)) == f"mlx[{choice}]"
+        reqs = mlx_requirements(choice, driver)
+        assert linux(reqs) == f"mlx[{choice}]"
+        # CUDA 13's run-time compiled kernels need the crt/ headers, which mlx-cuda-13 omits
+        assert any(r.startswith("nvidia-cuda-crt==13.") for r in reqs) == (choice == "cuda13")
     assert linux(mlx_requirements("none", False)) == "mlx"
 
 
@@ -48,8 +51,11 @@ def test_the_extras_each_name_one_backend():
     ]
     for name, backend in (("cpu", "cpu"), ("cuda", "cuda12"), ("cuda12", "cuda12"),
                           ("cuda13", "cuda13")):  # fmt: skip
-        (req,) = extras[name]
+        req, *headers = extras[name]
         assert req.startswith(f"mlx[{backend}]>=")
+        assert [h.split(";")[0] for h in headers] == (
+            ["nvidia-cuda-crt==13.*"] if backend == "cuda13" else []
+        )
 
 
 def test_a_foreign_kernels_package_found_first_is_named(tmp_path):
