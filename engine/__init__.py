@@ -16,10 +16,11 @@ if _where != _Path(__file__).resolve().parent.parent / "kernels":
         "5.25 installs): `pip uninstall kernels` and keep transformers < 5.25"
     )
 
-# float32 means float32 on CUDA too: MLX computes float32 matmuls in TF32 there unless told not
-# to (measured on an H200: 3e-4 relative error per product, and a chunked prefill's recurrent
-# state 5e-4 off the sequential recurrence instead of 2e-7), which breaks the cache contract's
-# float32 bound. bfloat16 (the GPU default) is unaffected; MLX_ENABLE_TF32=1 opts back in.
+# float32 means float32 on GPUs too: MLX computes float32 matmuls in TF32 on CUDA (and, its docs
+# say, on M5-class Apple GPUs) unless told not to, before its first such product. Measured on an
+# H200: 3e-4 relative error per product, and a chunked prefill's recurrent state 5e-4 off the
+# sequential recurrence instead of 2e-7, beyond the cache contract's float32 bound. bfloat16
+# (the GPU default) is unaffected; MLX_ENABLE_TF32=1 opts back in.
 _os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 from kernels import blas as _blas  # noqa: E402

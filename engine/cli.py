@@ -155,11 +155,12 @@ def _build_kernels(args) -> int:
 
 
 def float32_matmul(kind: str) -> str:
-    """How MLX computes float32 products here: on CUDA in TF32 unless MLX_ENABLE_TF32=0, which
-    `import engine` sets unless the user set it (engine/__init__.py)."""
-    if kind != "cuda" or os.environ.get("MLX_ENABLE_TF32", "1") == "0":
+    """How MLX computes float32 products here: on GPUs with TF32 units (CUDA; MLX documents
+    M5-class Apple GPUs too) in TF32 unless MLX_ENABLE_TF32=0, which `import engine` sets
+    unless the user set it (engine/__init__.py)."""
+    if kind == "cpu" or os.environ.get("MLX_ENABLE_TF32", "1") == "0":
         return "float32"
-    return "TF32 (MLX_ENABLE_TF32 is set: float32 products keep ~10 bits, ~3e-4 relative)"
+    return "TF32 where the GPU has it (MLX_ENABLE_TF32 is set: ~3e-4 relative per product)"
 
 
 def _doctor(args) -> int:
