@@ -214,7 +214,7 @@ class StatelessChat:
             top_logprobs=request.top_logprobs_or_none,
         )  # fmt: skip
         tokens = seq.generate(
-            prompt.ids, stops=b.points(), sampler=sampler,
+            prompt.ids, stops=snapshot_points(prompt), sampler=sampler,
             max_tokens=prepared.max_tokens, progress=progress,
         )  # fmt: skip
         sent = 0  # logprobs sent in events
@@ -325,6 +325,20 @@ class _Output:
         if reasoning or content or new:
             return ("delta", reasoning, content, new)
         return None
+
+
+def snapshot_points(prompt: Prompt) -> set[int]:
+    """Where a request's prefill snapshots: the system block's end (a client that slides its
+    window restarts there) and every boundary from the last user message on (an edit or a
+    regeneration of it, the answer's start that the next request resumes at, the steps of a
+    tool loop). Boundaries of older messages were snapshotted when each was the latest; met
+    again only when a re-prefill passes them (after the client dropped an exchange, or a
+    conversation's first request), where each costs tens of ms (BENCHMARKS.md) and the next
+    slide makes it unreachable: those are skipped, and a branch there reuses the system block."""
+    b = prompt.boundaries
+    users = [i for i, m in enumerate(prompt.messages) if m.get("role") == "user"]
+    first = b.message_starts[users[-1] if users else -1]
+    return ({b.system_end} | {p for p in b.points() if p >= first}) - {0}
 
 
 def openai_message(turn: Turn) -> Message:

@@ -92,11 +92,22 @@ def test_ten_turns_resent_in_full_equal_server_session_and_fresh_prefill(variant
             server.stop()
 
 
+def snapshot_points(prompt) -> set[int]:
+    """The contract `engine.stateless.snapshot_points` implements, restated from the prompt's
+    boundaries: the system block's end and every boundary from the last user message on."""
+    users = [i for i, m in enumerate(prompt.messages) if m["role"] == "user"]
+    first = prompt.boundaries.message_starts[users[-1]]
+    return {prompt.boundaries.system_end} | {p for p in prompt.boundaries.points() if p >= first}
+
+
 def test_interleaved_conversations_and_a_branch_reuse_what_they_share_and_no_more():
     eng = engine.load("tiny")
 
+    def render(messages):
+        return eng.stateless.renderer.render(parse_request({"messages": messages}))
+
     def boundaries(messages):
-        return eng.stateless.renderer.render(parse_request({"messages": messages})).boundaries
+        return render(messages).boundaries
 
     system = {"role": "system", "content": "Shared system prompt."}
     a, b = [system], [system]
@@ -108,7 +119,7 @@ def test_interleaved_conversations_and_a_branch_reuse_what_they_share_and_no_mor
         assert turn.token_ids == fresh_greedy(eng, turn.prompt_ids, MAX_TOKENS)[0]
         best = max((expected_reuse(p, pts, turn.prompt_ids) for p, pts in seen), default=0)
         assert turn.stats.reused_tokens == best  # what is shared, nothing more
-        seen.append((turn.prompt_ids, bs.points() | {len(turn.prompt_ids)}))
+        seen.append((turn.prompt_ids, snapshot_points(render(messages)) | {len(turn.prompt_ids)}))
         return turn, bs
 
     a_generation_start = 0
@@ -131,6 +142,42 @@ def test_interleaved_conversations_and_a_branch_reuse_what_they_share_and_no_mor
     a.append({"role": "user", "content": QUESTIONS[8]})
     turn, _ = send(a)
     assert turn.stats.reused_tokens == a_generation_start
+
+
+def test_a_sliding_window_snapshots_only_where_a_later_request_resumes():
+    """A client that keeps two exchanges re-prefills everything after the system block once
+    its window slides. That prefill snapshots at the system block's end and from the last user
+    message on, not at the older messages' boundaries (each a cost on every such turn, and
+    unreachable after the next slide); answers equal a fresh prefill, and a branch at an older
+    message reuses the system block."""
+    eng = engine.load("tiny")
+    system = {"role": "system", "content": "A sliding window."}
+    history: list[dict] = []
+
+    def render(messages):
+        return eng.stateless.renderer.render(parse_request({"messages": messages}))
+
+    for k in range(5):
+        messages = [system, *history[-4:], {"role": "user", "content": QUESTIONS[k]}]
+        prompt = render(messages)
+        turn = eng.chat(messages, max_tokens=MAX_TOKENS, warm=False)
+        assert turn.token_ids == fresh_greedy(eng, turn.prompt_ids, MAX_TOKENS)[0]
+        history += [messages[-1], turn.message()]
+        if k < 3:
+            continue
+        b = prompt.boundaries
+        assert turn.stats.reused_tokens == b.system_end  # the window slid past the old answer
+        (seq,) = [
+            s for s in eng.stateless.pool.sequences if s.tokens[: len(prompt.ids)] == prompt.ids
+        ]
+        taken = {p for p in seq.snapshots if p < len(prompt.ids)}
+        assert taken == snapshot_points(prompt) - {0}
+        assert len(b.points() - taken) >= 4  # the older messages' boundaries were skipped
+    # an edit of the first kept question (an older message): shares the system block only
+    branch = messages[:1] + [{"role": "user", "content": "An edited older question."}]
+    turn = eng.chat(branch, max_tokens=MAX_TOKENS, warm=False)
+    assert turn.stats.reused_tokens == render(branch).boundaries.system_end
+    assert turn.token_ids == fresh_greedy(eng, turn.prompt_ids, MAX_TOKENS)[0]
 
 
 def test_the_engine_byte_budget_holds_for_the_pool():
