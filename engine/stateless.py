@@ -337,7 +337,8 @@ def snapshot_points(prompt: Prompt) -> set[int]:
     slide makes it unreachable: those are skipped, and a branch there reuses the system block."""
     b = prompt.boundaries
     users = [i for i, m in enumerate(prompt.messages) if m.get("role") == "user"]
-    first = b.message_starts[users[-1] if users else -1]
+    starts = b.message_starts  # empty for a raw prompt (the completions endpoint)
+    first = starts[users[-1]] if users else starts[-1] if starts else 0
     return ({b.system_end} | {p for p in b.points() if p >= first}) - {0}
 
 
