@@ -380,7 +380,8 @@ def tests_section(files=GPU_TESTS, workers: int = 8, timeout: int = 600) -> dict
             bad = case.find("failure") if case.find("failure") is not None else case.find("error")
             if bad is not None:
                 message = (bad.get("message") or "").strip().splitlines()
-                failed.append(f"{case.get('classname')}::{case.get('name')}: "
+                module = (case.get("classname") or "").rsplit(".", 1)[-1]  # rootdir-relative
+                failed.append(f"{module}::{case.get('name')}: "
                               f"{message[0][:160] if message else ''}")  # fmt: skip
             elif case.find("skipped") is not None:
                 skipped += 1
