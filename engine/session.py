@@ -475,8 +475,7 @@ def _resume_points(prompt, n_current: int) -> set[int]:
     """Where a later turn of a conversation can resume: the system block's end, and every
     boundary from the first of the `n_current` messages this turn adds (see the docstring)."""
     b = prompt.boundaries
-    first = b.message_starts[-n_current]
-    return {b.system_end} | {p for p in b.points() if p >= first}
+    return b.resume_points(b.message_starts[-n_current])
 
 
 def _constraint_options(tools, response_format, tool_choice, max_thinking_tokens,

@@ -335,11 +335,10 @@ def snapshot_points(prompt: Prompt) -> set[int]:
     again only when a re-prefill passes them (after the client dropped an exchange, or a
     conversation's first request), where each costs tens of ms (BENCHMARKS.md) and the next
     slide makes it unreachable: those are skipped, and a branch there reuses the system block."""
-    b = prompt.boundaries
     users = [i for i, m in enumerate(prompt.messages) if m.get("role") == "user"]
-    starts = b.message_starts  # empty for a raw prompt (the completions endpoint)
+    starts = prompt.boundaries.message_starts  # empty for a raw prompt (completions endpoint)
     first = starts[users[-1]] if users else starts[-1] if starts else 0
-    return ({b.system_end} | {p for p in b.points() if p >= first}) - {0}
+    return prompt.boundaries.resume_points(first)
 
 
 def openai_message(turn: Turn) -> Message:

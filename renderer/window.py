@@ -38,6 +38,11 @@ class Boundaries:
             out.add(self.generation_start)
         return out - {0}
 
+    def resume_points(self, first: int) -> set[int]:
+        """The system block's end (a turn that trims the window restarts there) and every
+        boundary from position `first` on: where a later turn of the conversation resumes."""
+        return {self.system_end} | {p for p in self.points() if p >= first}
+
 
 @dataclass
 class Prompt:
