@@ -43,15 +43,20 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def profile(model: str, depth: int, repeats: int) -> dict:
+def _nbytes(m) -> int:
+    """Bytes a layer's product reads: the weight, and for quantized layers its scales/biases."""
+    return sum(m[k].nbytes for k in ("weight", "scales", "biases") if k in m)
+
+
+def profile(model: str, depth: int, repeats: int, quantize: int | None = None) -> dict:
+    import engine  # noqa: I001  (before mlx: the fast BLAS loads first)
+
     import mlx.core as mx
     import mlx.nn as nn
-
-    import engine
     from engine.runtime.generate import prefill
     from kernels import gated_delta
 
-    eng = engine.load(str(model_path(model)))
+    eng = engine.load(str(model_path(model)), quantize=quantize)
     net = eng.model
     a = net.arch
     caches = net.make_caches()
@@ -72,14 +77,14 @@ def profile(model: str, depth: int, repeats: int) -> dict:
 
     x = mx.random.normal((1, 1, a.hidden_size))
     linears = [m for layer in net.layers for _, m in layer.named_modules()
-               if isinstance(m, nn.Linear)]  # fmt: skip
-    inputs = [mx.random.normal((1, 1, m.weight.shape[1])) for m in linears]
+               if isinstance(m, (nn.Linear, nn.QuantizedLinear))]  # fmt: skip
+    inputs = [mx.random.normal((1, 1, m.weight.shape[1] * 32 // getattr(m, "bits", 32)))
+              for m in linears]  # fmt: skip
     mx.eval(x, inputs)
     out["matvec"] = _median_ms(lambda: mx.eval([m(v) for m, v in zip(linears, inputs)]), repeats)
     out["lm_head"] = _median_ms(lambda: mx.eval(net.logits(x)), repeats)
-    matvec_bytes = sum(m.weight.nbytes for m in linears)
-    head = net.embed_tokens.weight if a.tie_word_embeddings else net.lm_head.weight
-    out["weight_bytes"] = matvec_bytes + head.nbytes
+    head = net.embed_tokens if a.tie_word_embeddings else net.lm_head
+    out["weight_bytes"] = sum(_nbytes(m) for m in linears) + _nbytes(head)
 
     n_linear = a.layer_types.count("linear_attention")
     n_full = len(a.layer_types) - n_linear
@@ -126,11 +131,11 @@ def graph_nodes(*outputs) -> int:
 def host(model: str, depth: int = 64, repeats: int = 50) -> dict:
     """The host side of one decode step (batch 1, greedy), this engine against mlx-lm's
     qwen3_5 on the same checkpoint: graph nodes, and milliseconds of Python to build them."""
+    import engine  # noqa: I001  (before mlx: the fast BLAS loads first)
+
     import mlx.core as mx
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.models.cache import make_prompt_cache
-
-    import engine
     from engine.runtime.generate import cache_arrays, prefill
     from engine.runtime.step import Row, forward, rollback
 
@@ -194,11 +199,18 @@ def main() -> None:
     ap.add_argument("--model", default="tiny", help="registry name or checkpoint folder")
     ap.add_argument("--depth", type=int, default=512, help="prompt tokens before the step")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--quantize", type=int, choices=(4, 8),
+                    help="quantize the checkpoint at load (the engine's step only; host "
+                         "compares float32 graphs with mlx-lm)")  # fmt: skip
     ap.add_argument("--json")
     a = ap.parse_args()
-    r = profile(a.model, a.depth, a.repeats)
+    r = profile(a.model, a.depth, a.repeats, a.quantize)
     h = host(a.model, a.depth, a.repeats)
-    result = {"conditions": conditions(model=a.model, dtype="float32"), "profile": r, "host": h}
+    result = {
+        "conditions": conditions(model=a.model, dtype="float32", quantize=a.quantize),
+        "profile": r,
+        "host": h,
+    }
     print_table(r)
     print(f"host: {h['engine_nodes']} graph nodes, {h['engine_build_ms']:.2f} ms to build "
           f"(mlx-lm: {h['mlx_lm_nodes']} nodes, {h['mlx_lm_build_ms']:.2f} ms)")  # fmt: skip

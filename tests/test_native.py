@@ -4,7 +4,10 @@ its build/fallback reporting, and `engine.load(quantize=...)` against mlx-lm.
 Tolerance (every format): |y - ref| <= 2e-6 * (|W| @ |x|) per output, W the dequantized
 matrix in float64. The kernels accumulate in float32 (K = 512..2048 terms, partial sums per
 group and lane), so the error is bounded by a few float32 ulps of the sum of magnitudes; the
-scales and biases are used at their stored precision on both sides.
+scales and biases are used at their stored precision on both sides. The 4-bit VNNI kernel
+(AVX-512 VNNI) sums exact integer products of x in 24-bit fixed point per group: its extra
+error is at most 2^-23 of the group's largest |x| per element, and stays within the same bound
+on these inputs; `test_vnni_fixed_point_error_bound` checks its own bound with outliers.
 """
 
 import os
@@ -54,12 +57,12 @@ def case(N, K, gs, bits, dtype, M=1, seed=0):
     return mx.random.normal((M, K), key=k2), w, s.astype(dtype), b.astype(dtype)
 
 
-@pytest.mark.parametrize("isa", ["simd", "generic"])
+@pytest.mark.parametrize("isa", ["simd", "float", "generic"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
-@pytest.mark.parametrize("bits,gs", [(8, 64), (8, 32), (4, 64), (4, 32)])
+@pytest.mark.parametrize("bits,gs", [(8, 64), (8, 32), (4, 128), (4, 64), (4, 32)])
 def test_kernel_matches_float64_reference(mod, monkeypatch, isa, dtype, bits, gs):
-    if isa == "generic":  # the portable kernel (NEON and unknown CPUs) on this machine too
-        monkeypatch.setenv("CHATML_GEMV_ISA", "generic")
+    if isa != "simd":  # the portable kernel (NEON and unknown CPUs), or the float SIMD one
+        monkeypatch.setenv("CHATML_GEMV_ISA", isa)  # where VNNI would run, on this machine too
     # 200 rows (not a multiple of the 16-row thread chunks), 1 and 3 rows of x; the larger
     # matrix is split over the thread pool
     for N, K, M in ((200, 512, 1), (200, 512, 3), (1000, 2048, 1)):
@@ -69,6 +72,46 @@ def test_kernel_matches_float64_reference(mod, monkeypatch, isa, dtype, bits, gs
         assert y.shape == (M, N) and y.dtype == mx.float32
         err = np.abs(np.array(y, dtype=np.float64) - ref)
         assert (err <= REL * mag).all(), f"max excess {(err - REL * mag).max()}"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {w for line in f if line.startswith("flags") for w in line.split()}
+    except OSError:
+        return set()
+
+
+def test_vnni_kernel_runs_where_the_cpu_has_it(mod, monkeypatch):
+    if "avx512_vnni" in cpu_flags() and mod.isa() == "avx512":
+        assert mod.q4_kernel(1024, 64) == "vnni"
+        assert mod.q4_kernel(192, 64) == "avx512"  # rows not in 128-weight blocks
+        monkeypatch.setenv("CHATML_GEMV_ISA", "float")
+        assert mod.q4_kernel(1024, 64) == "avx512"
+    else:
+        assert mod.q4_kernel(1024, 64) == mod.isa()
+
+
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_vnni_fixed_point_error_bound(mod, gs):
+    """x with outliers (a few values 10^4 times the rest, as in real activations) and a zero
+    group: the 4-bit kernel is within float32 rounding of the float64 product of x rounded to
+    24-bit fixed point per group, error <= 2^-23 * max_g|x| * sum|w| (+ float32 sums)."""
+    N, K = 96, 1024
+    x, w, s, b = case(N, K, gs, 4, mx.bfloat16, M=2, seed=3)
+    xn = np.array(x, dtype=np.float64)
+    xn[0, 5] = 3e4
+    xn[1, 700] = -2e4
+    xn[1, :gs] = 0.0
+    x = mx.array(xn.astype(np.float32))
+    y = np.array(mod.quantized_gemv(x, w, s, b, gs, 4), dtype=np.float64)
+    ref, mag = reference(x, w, s, b, gs, 4)
+    q = unpack(w, 4)
+    sd = np.repeat(np.array(s.astype(mx.float32), dtype=np.float64), gs, axis=1)
+    wq = np.abs(sd * q)  # the part multiplied in fixed point (the bias goes with sum(x))
+    top = np.repeat(np.abs(xn).reshape(2, -1, gs).max(axis=2), gs, axis=1)
+    bound = 2.0**-23 * (top @ wq.T) + 2e-6 * mag
+    assert np.isfinite(y).all() and (np.abs(y - ref) <= bound).all()
 
 
 @pytest.mark.parametrize("bits,gs", [(8, 64), (4, 32)])

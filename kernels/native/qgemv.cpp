@@ -9,8 +9,21 @@
 // that low and high nibbles meet contiguous activations) are computed once per call; output
 // rows are split over a small pool of threads. Decode is memory bound: the kernels only need
 // to turn bytes into floats faster than memory delivers them.
+//
+// 4 bits with AVX-512 VNNI (kernel "vnni") multiplies in integers instead: turning nibbles
+// into floats costs more than reading them (a 4-bit row took as long as an 8-bit row). Each
+// group of x becomes 24-bit fixed point, m = round(x * 2^(23 - e)) with 2^e just above the
+// group's largest |x|, held as three signed bytes (m = d0 + 256 d1 + 65536 d2); `vpdpbusd`
+// then sums nibble * digit products exactly in int32, 64 per instruction. The only rounding
+// beyond float32's is that of x to the fixed point: at most 2^-23 of the group's largest |x|
+// per element (float32 rounds each x to 2^-24 of itself), so the product error stays at
+// float32's level (tests/test_native.py bounds it, outliers included). Activations keep their
+// float32 precision; this is not the 8-bit activation quantization of llama.cpp's kernels.
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <limits>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -177,7 +190,129 @@ struct Simd {
     rows_avx512<BITS, S, kRows>(w, stride, scales, biases, groups, xs, xsum, groups, gs, y);
   }
 };
+#if defined(__AVX512VNNI__)
+constexpr bool kVnni = true;
+
+// Activations of one x row for the 4-bit VNNI kernel, per 128-element block (64 bytes of a
+// weight row): six 64-byte planes, digit p of the low (h = 0) or high (h = 1) nibbles' x,
+// plane (2p + h) byte j holding digit p of x[b + 2j + h]; and per group the fixed point's
+// unit 2^(e - 23), folded into the group's scale.
+static void fixed_point(const float* x, int K, int gs, int8_t* planes, float* unit) {
+  std::vector<int32_t> m(static_cast<size_t>(gs));
+  for (int g = 0; g < K / gs; ++g) {
+    const float* xg = x + static_cast<size_t>(g) * gs;
+    float top = 0.0f;
+    for (int k = 0; k < gs; ++k) {
+      top = std::max(top, std::fabs(xg[k]));
+    }
+    if (!std::isfinite(top)) {  // inf/nan in x: the group's products are not numbers either
+      unit[g] = std::numeric_limits<float>::quiet_NaN();
+      std::fill(m.begin(), m.end(), 0);
+    } else {
+      int e = 0;
+      std::frexp(top, &e);  // top < 2^e
+      // Three balanced base-256 digits reach 2^23 - 2^15 - 2^7 - 1: one more bit of headroom
+      // for the groups whose largest |x| is within 0.4% of 2^e.
+      if (top > 0.0f && std::ldexp(top, 23 - e) >= 8355711.0f) {
+        ++e;
+      }
+      unit[g] = std::ldexp(1.0f, e - 23);
+      for (int k = 0; k < gs; ++k) {
+        m[k] = static_cast<int32_t>(std::lrint(std::ldexp(xg[k], 23 - e)));
+      }
+    }
+    for (int k = 0; k < gs; ++k) {
+      const int at = g * gs + k, b = at / 128 * 128, j = (at - b) / 2, h = (at - b) & 1;
+      int32_t v = m[k];
+      for (int p = 0; p < 3; ++p) {
+        const int32_t d = ((v + 128) & 255) - 128;
+        planes[static_cast<size_t>(b) * 3 + (2 * p + h) * 64 + j] = static_cast<int8_t>(d);
+        v = (v - d) >> 8;
+      }
+    }
+  }
+}
+
+// The scales of a 128-weight block per dword lane (lane l holds weights 8l..8l+7), each
+// times its group's fixed-point unit.
+template <typename S, int GS>
+static inline __m512 block_scales(const S* scales, const float* unit, int g) {
+  if (GS == 128) {
+    return _mm512_set1_ps(static_cast<float>(scales[g]) * unit[g]);
+  } else if (GS == 64) {
+    return _mm512_insertf32x8(_mm512_set1_ps(static_cast<float>(scales[g]) * unit[g]),
+                              _mm256_set1_ps(static_cast<float>(scales[g + 1]) * unit[g + 1]),
+                              1);
+  } else {
+    const __m128 four = _mm_setr_ps(
+        static_cast<float>(scales[g]) * unit[g], static_cast<float>(scales[g + 1]) * unit[g + 1],
+        static_cast<float>(scales[g + 2]) * unit[g + 2],
+        static_cast<float>(scales[g + 3]) * unit[g + 3]);
+    const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(four));
+  }
+}
+
+// R output rows of 4-bit weights against one x row prepared by fixed_point.
+template <typename S, int GS, int R>
+static inline void rows_vnni(const uint8_t* w, size_t stride, const S* scales, const S* biases,
+                             int groups_stride, const int8_t* planes, const float* unit,
+                             const float* xsum, int K, float* y) {
+  __m512 total[R];
+  float bias_part[R];
+  for (int r = 0; r < R; ++r) {
+    total[r] = _mm512_setzero_ps();
+    bias_part[r] = 0.0f;
+  }
+  if (R > 1) {  // as rows_avx512: the scales and biases of the rows kPrefetchPasses ahead
+    const size_t ahead = static_cast<size_t>(kPrefetchPasses) * R * groups_stride;
+    const size_t bytes = static_cast<size_t>(R) * groups_stride * sizeof(S);
+    const uint8_t* sp = reinterpret_cast<const uint8_t*>(scales + ahead);
+    const uint8_t* bp = reinterpret_cast<const uint8_t*>(biases + ahead);
+    for (size_t at = 0; at < bytes; at += 64) {
+      prefetch_l2(sp + at);
+      prefetch_l2(bp + at);
+    }
+  }
+  const __m512i nibble = _mm512_set1_epi8(15);
+  const __m512 radix2 = _mm512_set1_ps(65536.0f);
+  constexpr int kGroups = 128 / GS;  // groups per block
+  for (int b = 0; b < K; b += 128) {
+    const int8_t* d = planes + static_cast<size_t>(b) * 3;
+    const __m512i d0l = _mm512_loadu_si512(d), d0h = _mm512_loadu_si512(d + 64);
+    const __m512i d1l = _mm512_loadu_si512(d + 128), d1h = _mm512_loadu_si512(d + 192);
+    const __m512i d2l = _mm512_loadu_si512(d + 256), d2h = _mm512_loadu_si512(d + 320);
+    const int g = b / GS;
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* q = w + r * stride + b / 2;
+      prefetch_l2(q + kPrefetchPasses * R * stride);
+      const __m512i v = _mm512_loadu_si512(q);
+      const __m512i lo = _mm512_and_si512(v, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      const __m512i zero = _mm512_setzero_si512();
+      const __m512i p0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, d0l), hi, d0h);
+      const __m512i p1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, d1l), hi, d1h);
+      const __m512i p2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, d2l), hi, d2h);
+      // |p0|, |p1| <= 8 * 15 * 128: p1 * 256 + p0 is exact in int32 and in float
+      const __m512i low = _mm512_add_epi32(_mm512_slli_epi32(p1, 8), p0);
+      const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p2), radix2, _mm512_cvtepi32_ps(low));
+      const S* sr = scales + static_cast<size_t>(r) * groups_stride;
+      total[r] = _mm512_fmadd_ps(block_scales<S, GS>(sr, unit, g), sum, total[r]);
+      const S* br = biases + static_cast<size_t>(r) * groups_stride;
+      for (int i = 0; i < kGroups; ++i) {
+        bias_part[r] += static_cast<float>(br[g + i]) * xsum[g + i];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    y[r] = _mm512_reduce_add_ps(total[r]) + bias_part[r];
+  }
+}
+#else
+constexpr bool kVnni = false;
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
+constexpr bool kVnni = false;
 constexpr int kBlock = 16;  // 8 low + 8 high nibbles per 8 bytes
 constexpr const char* kIsa = "avx2";
 constexpr int kRows = 1;
@@ -233,6 +368,7 @@ struct Simd {
   }
 };
 #else
+constexpr bool kVnni = false;
 constexpr int kBlock = 32;
 constexpr const char* kIsa = "generic";
 constexpr int kRows = 1;
@@ -240,30 +376,121 @@ template <int BITS, typename S>
 using Simd = Generic<BITS, S>;
 #endif
 
-// Which kernel family runs: CHATML_GEMV_ISA=generic forces the portable one (for tests).
-static bool use_generic() {
+// Which kernel family runs: CHATML_GEMV_ISA=generic forces the portable one, =float the
+// float-activation SIMD kernels where VNNI would run (both for tests and benchmarks).
+static std::string forced_isa() {
   const char* env = std::getenv("CHATML_GEMV_ISA");
-  return env != nullptr && std::string(env) == "generic";
+  return env != nullptr ? std::string(env) : std::string();
 }
+
+static bool use_generic() {
+  return forced_isa() == "generic";
+}
+
+// The kernel a 4-bit product of row length K, group size gs takes.
+static const char* q4_kernel(int K, int gs) {
+  const std::string forced = forced_isa();
+  if (forced == "generic") {
+    return "generic";
+  }
+  if (kVnni && forced != "float" && K % 128 == 0 && 128 % gs == 0) {
+    return "vnni";
+  }
+  return kIsa;
+}
+
+// Group sums of x, in double: [M, groups].
+static std::vector<float> group_sums(const float* x, int M, int K, int gs) {
+  const int groups = K / gs;
+  std::vector<float> xsum(static_cast<size_t>(M) * groups);
+  for (int m = 0; m < M; ++m) {
+    for (int g = 0; g < groups; ++g) {
+      const float* xg = x + static_cast<size_t>(m) * K + static_cast<size_t>(g) * gs;
+      double s = 0.0;
+      for (int k = 0; k < gs; ++k) {
+        s += xg[k];
+      }
+      xsum[static_cast<size_t>(m) * groups + g] = static_cast<float>(s);
+    }
+  }
+  return xsum;
+}
+
+// Contiguous ranges of output rows per part, multiples of 16 so that threads do not share
+// cache lines of y; `rows(n, count)` computes output rows [n, n + count) for every x row.
+template <int BLOCK, typename F1, typename FB>
+static void split_rows(int N, size_t row_bytes, F1 one, FB block) {
+  auto job = [&](int part, int parts) {
+    int chunk = ((N + parts - 1) / parts + 15) / 16 * 16;
+    int n0 = std::min(N, part * chunk), n1 = std::min(N, n0 + chunk);
+    int n = n0;
+    if (BLOCK > 1) {  // the common decode case: blocks of rows share x loads
+      for (; n + BLOCK <= n1; n += BLOCK) {
+        block(n);
+      }
+    }
+    for (; n < n1; ++n) {
+      one(n);
+    }
+  };
+  pool().run(job, parts_for(row_bytes * N));
+}
+
+#if defined(__AVX512VNNI__)
+template <typename S, int GS>
+void gemv4_vnni(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y,
+                int M, int N, int K) {
+  const int groups = K / GS;
+  std::vector<int8_t> planes(static_cast<size_t>(M) * K * 3);
+  std::vector<float> unit(static_cast<size_t>(M) * groups);
+  for (int m = 0; m < M; ++m) {
+    fixed_point(x + static_cast<size_t>(m) * K, K, GS, planes.data() + static_cast<size_t>(m) * K * 3,
+                unit.data() + static_cast<size_t>(m) * groups);
+  }
+  const std::vector<float> xsum = group_sums(x, M, K, GS);
+  const size_t row_bytes = static_cast<size_t>(K) / 2;
+  auto rows = [&](auto count, int n) {
+    constexpr int R = decltype(count)::value;
+    float out[R];
+    for (int m = 0; m < M; ++m) {
+      rows_vnni<S, GS, R>(w + n * row_bytes, row_bytes, scales + static_cast<size_t>(n) * groups,
+                          biases + static_cast<size_t>(n) * groups, groups,
+                          planes.data() + static_cast<size_t>(m) * K * 3,
+                          unit.data() + static_cast<size_t>(m) * groups,
+                          xsum.data() + static_cast<size_t>(m) * groups, K, out);
+      for (int r = 0; r < R; ++r) {
+        y[static_cast<size_t>(m) * N + n + r] = out[r];
+      }
+    }
+  };
+  split_rows<kRows>(
+      N, row_bytes, [&](int n) { rows(std::integral_constant<int, 1>{}, n); },
+      [&](int n) { rows(std::integral_constant<int, kRows>{}, n); });
+}
+#endif
 
 template <int BITS, typename S>
 void gemv(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y, int M,
           int N, int K, int gs) {
+#if defined(__AVX512VNNI__)
+  if (BITS == 4 && std::string(q4_kernel(K, gs)) == "vnni") {
+    if (gs == 32) {
+      return gemv4_vnni<S, 32>(x, w, scales, biases, y, M, N, K);
+    } else if (gs == 64) {
+      return gemv4_vnni<S, 64>(x, w, scales, biases, y, M, N, K);
+    }
+    return gemv4_vnni<S, 128>(x, w, scales, biases, y, M, N, K);
+  }
+#endif
   const int groups = K / gs;
   const bool generic = use_generic();
   const int block = generic ? 32 : kBlock;
   // Prepared activations: [M, K] reordered for 4 bits, and [M, groups] group sums.
-  std::vector<float> xs(static_cast<size_t>(M) * K), xsum(static_cast<size_t>(M) * groups);
+  std::vector<float> xs(static_cast<size_t>(M) * K);
+  const std::vector<float> xsum = group_sums(x, M, K, gs);
   for (int m = 0; m < M; ++m) {
     const float* xm = x + static_cast<size_t>(m) * K;
     float* out = xs.data() + static_cast<size_t>(m) * K;
-    for (int g = 0; g < groups; ++g) {
-      double s = 0.0;
-      for (int k = g * gs; k < (g + 1) * gs; ++k) {
-        s += xm[k];
-      }
-      xsum[static_cast<size_t>(m) * groups + g] = static_cast<float>(s);
-    }
     if (BITS == 8) {
       std::copy(xm, xm + K, out);
     } else {
@@ -276,40 +503,38 @@ void gemv(const float* x, const uint8_t* w, const S* scales, const S* biases, fl
     }
   }
   const size_t row_bytes = static_cast<size_t>(K) * BITS / 8;
-  auto job = [&](int part, int parts) {
-    // Contiguous ranges of rows, multiples of 16 so threads do not share cache lines of y.
-    int chunk = ((N + parts - 1) / parts + 15) / 16 * 16;
-    int n0 = std::min(N, part * chunk), n1 = std::min(N, n0 + chunk);
-    int n = n0;
-    if (!generic && kRows > 1) {  // the common decode case: blocks of rows share x loads
-      float out[kRows];
-      for (; n + kRows <= n1; n += kRows) {
-        const uint8_t* wn = w + n * row_bytes;
-        const S* sn = scales + static_cast<size_t>(n) * groups;
-        const S* bn = biases + static_cast<size_t>(n) * groups;
-        for (int m = 0; m < M; ++m) {
-          Simd<BITS, S>::rows(wn, row_bytes, sn, bn, xs.data() + static_cast<size_t>(m) * K,
-                              xsum.data() + static_cast<size_t>(m) * groups, groups, gs, out);
-          for (int r = 0; r < kRows; ++r) {
-            y[static_cast<size_t>(m) * N + n + r] = out[r];
-          }
-        }
-      }
+  auto one = [&](int n) {
+    const uint8_t* wn = w + n * row_bytes;
+    const S* sn = scales + static_cast<size_t>(n) * groups;
+    const S* bn = biases + static_cast<size_t>(n) * groups;
+    for (int m = 0; m < M; ++m) {
+      const float* xm = xs.data() + static_cast<size_t>(m) * K;
+      const float* sm = xsum.data() + static_cast<size_t>(m) * groups;
+      y[static_cast<size_t>(m) * N + n] =
+          generic ? Generic<BITS, S>::row(wn, sn, bn, xm, sm, groups, gs)
+                  : Simd<BITS, S>::row(wn, sn, bn, xm, sm, groups, gs);
     }
-    for (; n < n1; ++n) {
-      const uint8_t* wn = w + n * row_bytes;
-      const S* sn = scales + static_cast<size_t>(n) * groups;
-      const S* bn = biases + static_cast<size_t>(n) * groups;
-      for (int m = 0; m < M; ++m) {
-        const float* xm = xs.data() + static_cast<size_t>(m) * K;
-        const float* sm = xsum.data() + static_cast<size_t>(m) * groups;
-        y[static_cast<size_t>(m) * N + n] =
-            generic ? Generic<BITS, S>::row(wn, sn, bn, xm, sm, groups, gs)
-                    : Simd<BITS, S>::row(wn, sn, bn, xm, sm, groups, gs);
+  };
+  auto block_of_rows = [&](int n) {
+    if (generic) {  // the portable kernel has no row blocks
+      for (int r = 0; r < kRows; ++r) {
+        one(n + r);
+      }
+      return;
+    }
+    float out[kRows];
+    const uint8_t* wn = w + n * row_bytes;
+    const S* sn = scales + static_cast<size_t>(n) * groups;
+    const S* bn = biases + static_cast<size_t>(n) * groups;
+    for (int m = 0; m < M; ++m) {
+      Simd<BITS, S>::rows(wn, row_bytes, sn, bn, xs.data() + static_cast<size_t>(m) * K,
+                          xsum.data() + static_cast<size_t>(m) * groups, groups, gs, out);
+      for (int r = 0; r < kRows; ++r) {
+        y[static_cast<size_t>(m) * N + n + r] = out[r];
       }
     }
   };
-  pool().run(job, parts_for(row_bytes * N));
+  split_rows<kRows>(N, row_bytes, one, block_of_rows);
 }
 
 template <typename S>
@@ -539,6 +764,9 @@ NB_MODULE(_chatml_qgemv, m) {
         nb::arg("group_size"), nb::arg("bits"),
         "The float32 matrix scale * q + bias (for prefill's float32 matmul).");
   m.def("isa", [] { return std::string(chatml::kIsa); }, "The instruction set compiled for.");
+  m.def("q4_kernel", [](int K, int gs) { return std::string(chatml::q4_kernel(K, gs)); },
+        nb::arg("K") = 1024, nb::arg("group_size") = 64,
+        "The kernel a 4-bit product of row length K takes: vnni, avx512, avx2 or generic.");
   m.def("threads", [] { return chatml::pool().size(); }, "Threads that split output rows.");
   m.def("mlx_version", [] { return std::string(MLX_VERSION_STR); },
         "The MLX version this module was compiled against.");
