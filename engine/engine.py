@@ -27,6 +27,7 @@ from .runtime import memory
 from .runtime.batch import DEFAULT_MAX_BATCH, Batch
 from .runtime.dense import use_dense_kernels
 from .runtime.draft import DraftModel
+from .runtime.fused import join_projections
 from .runtime.model import ModelOptions, Qwen35
 from .runtime.mtp import MTPDrafter
 from .runtime.quantized import quantize_model, use_cpu_kernels
@@ -400,6 +401,8 @@ def _load(model, *, dtype, chunked_delta, cache_bytes, quantize, speculative, sp
         use_cpu_kernels(net)
     if cpu and name == "float32" and _native_cpu():  # float32 products of a few rows
         use_dense_kernels(net)
+    if cpu and _native_cpu():  # one product per input in decode steps (runtime.fused)
+        join_projections(net)
     if link is not None:
         sharding.ready(link)
         if link.rank != 0:

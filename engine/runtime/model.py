@@ -23,6 +23,7 @@ from kernels.attention import attention
 
 from ..checkpoints.registry import Architecture
 from .cache import KVCache, MTPCache, RecurrentCache
+from .fused import Joined, joinable
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,19 @@ class GatedDeltaNet(nn.Module):
         self.A_log = mx.zeros((self.hv,))
         self.norm = RMSNorm(self.dv, a.rms_norm_eps)
         self.out_proj = nn.Linear(self.hv * self.dv, a.hidden_size, bias=False)
+        self.joined = None  # qkv, z, b, a as one product in decode (runtime.fused)
+
+    def join(self) -> bool:
+        parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        if joinable(parts):
+            self.joined = Joined(parts)
+        return self.joined is not None
+
+    def _inputs(self, x: mx.array) -> list[mx.array]:
+        """qkv, z, b and a of one token `x [B, H]`."""
+        if self.joined is not None:
+            return self.joined(x)
+        return [self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)]
 
     def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
         B, T, _ = x.shape
@@ -120,7 +134,7 @@ class GatedDeltaNet(nn.Module):
         function for `mx.compile`; returns (output `[B, H]`, new tail, new states)."""
         B = x.shape[0]
         f32 = mx.float32
-        qkv = self.in_proj_qkv(x)  # [B, C]
+        qkv, z, b, a = self._inputs(x)  # [B, C], [B, Hv*Dv], [B, Hv], [B, Hv]
         window = mx.concatenate([tail, qkv[:, None]], axis=1)  # [B, K, C]
         native = self.options.native_activations
         conv = conv_silu(window, self.conv_weight, native=native)[:, 0]  # [B, C]
@@ -131,12 +145,12 @@ class GatedDeltaNet(nn.Module):
         inv = self.dk**-0.5
         q = (inv * inv) * mx.fast.rms_norm(q, None, 1e-6 * inv * inv)
         k = inv * mx.fast.rms_norm(k, None, 1e-6 * inv * inv)
-        a = self.in_proj_a(x)[:, None]
-        beta = mx.sigmoid(self.in_proj_b(x))[:, None]
+        a = a[:, None]
+        beta = mx.sigmoid(b)[:, None]
         g = mx.exp(-mx.exp(self.A_log.astype(f32)) * nn.softplus(a + self.dt_bias))
         method = "auto" if self.options.chunked_delta else "sequential"
         y, states = gated_delta_rows(q, k, v, g, beta, states, method=method)
-        z = self.in_proj_z(x).reshape(B, 1, self.hv, self.dv)
+        z = z.reshape(B, 1, self.hv, self.dv)
         y = _rms_norm(y, self.norm.weight, self.eps)
         y = silu_mul(z.astype(f32), y.astype(f32), native=native).astype(x.dtype)
         return self.out_proj(y.reshape(B, -1)), mx.contiguous(window[:, 1:]), states
@@ -179,6 +193,13 @@ class Attention(nn.Module):
         step = mx.array(math.log(self.theta) / half, mx.float32)
         self._inv_freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * step)
         mx.eval(self._inv_freqs)
+        self.joined = None  # q, k and v as one product in decode (runtime.fused)
+
+    def join(self) -> bool:
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        if joinable(parts):
+            self.joined = Joined(parts)
+        return self.joined is not None
 
     def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
         q, k, v, gate = self.project(x, cache.offset)
@@ -188,10 +209,14 @@ class Attention(nn.Module):
         """q `[B, Hq, T, D]`, k and v `[B, Hkv, T, D]` at positions from `offset`, and the
         output gate `[B, T, Hq*D]`, from x `[B, T, H]` or, for one token, `[B, H]`."""
         B, T = x.shape[0], x.shape[1] if x.ndim == 3 else 1
-        q, gate = mx.split(self.q_proj(x).reshape(B, T, self.nq, 2 * self.d), 2, axis=-1)
+        if x.ndim == 2 and self.joined is not None:
+            q, k, v = self.joined(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, gate = mx.split(q.reshape(B, T, self.nq, 2 * self.d), 2, axis=-1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)  # [B, Hq, T, D]
-        k = self.k_norm(self.k_proj(x).reshape(B, T, self.nkv, self.d)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, T, self.nkv, self.d).transpose(0, 2, 1, 3)
+        k = self.k_norm(k.reshape(B, T, self.nkv, self.d)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, T, self.nkv, self.d).transpose(0, 2, 1, 3)
         # Text-only positions are equal in all three M-RoPE sections: plain RoPE on `rotary` dims.
         if mx.default_device() == mx.cpu:
             cos, sin = self._angles(T, offset, q.dtype)
@@ -239,9 +264,20 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(dims, hidden, bias=False)
         self.up_proj = nn.Linear(dims, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dims, bias=False)
+        self.joined = None  # gate and up as one product in decode (runtime.fused)
+
+    def join(self) -> bool:
+        parts = [self.gate_proj, self.up_proj]
+        if joinable(parts):
+            self.joined = Joined(parts)
+        return self.joined is not None
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), native=self.native))
+        if x.ndim == 2 and self.joined is not None:  # a decode step's [B, H]
+            gate, up = self.joined(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(silu_mul(gate, up, native=self.native))
 
 
 class SparseMoE(nn.Module):

@@ -26,6 +26,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "buffers.h"
 #include "pool.h"
 
 namespace nb = nanobind;
@@ -382,7 +383,7 @@ array dense_gemv(const array& x, const array& w) {
   Stream s = default_stream(Device::cpu);
   const int M = static_cast<int>(x.size() / K);
   array x2 = contiguous(reshape(x, {M, K}, s), false, s);
-  array y(Shape{M, N}, float32, std::make_shared<DenseGemv>(s), {x2, contiguous(w, false, s)});
+  array y(Shape{M, N}, float32, std::make_shared<DenseGemv>(s), {x2, rows_in_place(w, s)});
   Shape out_shape = x.shape();
   out_shape.back() = N;
   return reshape(y, out_shape, s);

@@ -45,6 +45,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "buffers.h"
 #include "pool.h"
 
 namespace nb = nanobind;
@@ -731,8 +732,8 @@ array quantized_gemv(const array& x, const array& w, const array& scales, const 
   int M = static_cast<int>(x.size() / K);
   array x2 = contiguous(reshape(x, {M, K}, s), false, s);
   array y(Shape{M, N}, float32, std::make_shared<QuantizedGemv>(s, group_size, bits),
-          {x2, contiguous(w, false, s), contiguous(scales, false, s),
-           contiguous(biases, false, s)});
+          {x2, rows_in_place(w, s), rows_in_place(scales, s),
+           rows_in_place(biases, s)});
   Shape out_shape = x.shape();
   out_shape.back() = N;
   return reshape(y, out_shape, s);
@@ -745,8 +746,8 @@ array dequantize(const array& w, const array& scales, const array& biases, int g
   Stream s = default_stream(Device::cpu);
   return array(Shape{w.shape(0), K}, float32,
                std::make_shared<QuantizedDequantize>(s, group_size, bits),
-               {contiguous(w, false, s), contiguous(scales, false, s),
-                contiguous(biases, false, s)});
+               {rows_in_place(w, s), rows_in_place(scales, s),
+                rows_in_place(biases, s)});
 }
 
 void bind_dense(nb::module_& m);  // dense.cpp: the float32 few-row GEMV
