@@ -48,3 +48,20 @@ def test_decode_graph_is_smaller_than_mlx_lm(tiny) -> None:
 
     r = host(str(tiny.path), depth=16, repeats=2)
     assert r["engine_nodes"] <= r["mlx_lm_nodes"], r
+
+
+def test_profile_counts_quantized_weights(tiny) -> None:
+    """`chatml bench profile --quantize 4`: the step's parts are timed on the compact layers,
+    and the bytes they read are the packed weights with their scales and biases."""
+    import mlx.nn as nn
+
+    import engine
+    from bench.profile import profile
+
+    r = profile(str(tiny.path), depth=8, repeats=2, quantize=4)
+    net = engine.load(str(tiny.path), quantize=4).model
+    packed = sum(v.nbytes for k, v in nn.utils.tree_flatten(net.parameters())
+                 if k.rsplit(".", 1)[-1] in ("weight", "scales", "biases")
+                 and "norm" not in k and "conv" not in k)  # fmt: skip
+    assert r["weight_bytes"] == packed
+    assert r["step"] > 0 and r["matvec"] > 0 and r["lm_head"] > 0
