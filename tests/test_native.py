@@ -114,6 +114,22 @@ def test_vnni_fixed_point_error_bound(mod, gs):
     assert np.isfinite(y).all() and (np.abs(y - ref) <= bound).all()
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_inputs_that_are_not_row_major(mod, bits):
+    """A transposed x, scales read every other column, a reversed-row weight: the kernels
+    copy such inputs to row-major while they run (no contiguous() node in the graph) and
+    give what the row-major copies give."""
+    x, w, s, b = case(200, 512, 64, bits, mx.bfloat16, M=3)
+    xt = mx.array(np.array(x).T.copy()).T  # [3, 512] view of a [512, 3] buffer
+    s2 = mx.concatenate([s[:, :, None], s[:, :, None]], axis=2).reshape(200, -1)[:, ::2]
+    wr = mx.array(np.array(w)[::-1].copy())[::-1]  # rows reversed twice: negative strides
+    want = mod.quantized_gemv(x, w, s, b, 64, bits)
+    got = mod.quantized_gemv(xt, wr, s2, b, 64, bits)
+    assert mx.array_equal(got, want).item()
+    deq = mod.dequantize(wr, s2, b, 64, bits)
+    assert mx.array_equal(deq, mod.dequantize(w, s, b, 64, bits)).item()
+
+
 @pytest.mark.parametrize("bits,gs", [(8, 64), (4, 32)])
 def test_dequantize_is_exact(mod, bits, gs):
     x, w, s, b = case(300, 256, gs, bits, mx.bfloat16)

@@ -163,10 +163,10 @@ class Elementwise : public Primitive {
       encoder.set_input_array(a);
     }
     array& out = outputs[0];
-    const array& a = inputs[0];
+    const array a = row_major(inputs[0], encoder);
     donate_or_alloc(a, out);
     encoder.set_output_array(out);
-    const float* pb = inputs.size() > 1 ? inputs[1].data<float>() : nullptr;
+    const float* pb = inputs.size() > 1 ? row_major(inputs[1], encoder).data<float>() : nullptr;
     const float* pa = a.data<float>();
     encoder.dispatch([op = op_, pa, pb, po = out.data<float>(), n = out.size()]() {
       parallel(n, [&](size_t lo, size_t hi) { apply(op, pa, pb, po, lo, hi); });
@@ -203,10 +203,10 @@ class ConvSilu : public Primitive {
 
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
     auto& encoder = cpu::get_command_encoder(stream());
-    const array& window = inputs[0];
-    const array& weight = inputs[1];
-    encoder.set_input_array(window);
-    encoder.set_input_array(weight);
+    encoder.set_input_array(inputs[0]);
+    encoder.set_input_array(inputs[1]);
+    const array window = row_major(inputs[0], encoder);
+    const array weight = row_major(inputs[1], encoder);
     array& out = outputs[0];
     out.set_data(allocator::malloc(out.nbytes()));
     encoder.set_output_array(out);
@@ -277,8 +277,8 @@ class CausalSoftmax : public Primitive {
 
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
     auto& encoder = cpu::get_command_encoder(stream());
-    const array& x = inputs[0];
-    encoder.set_input_array(x);
+    encoder.set_input_array(inputs[0]);
+    const array x = row_major(inputs[0], encoder);
     array& out = outputs[0];
     donate_or_alloc(x, out);
     encoder.set_output_array(out);
@@ -358,11 +358,7 @@ array elementwise(Op op, const char* fn, const std::vector<array>& args) {
     check(a.shape() == args[0].shape(), fn, "takes arrays of one shape (no broadcasting)");
   }
   Stream s = default_stream(Device::cpu);
-  std::vector<array> inputs;
-  for (const array& a : args) {
-    inputs.push_back(contiguous(a, false, s));
-  }
-  return array(args[0].shape(), float32, std::make_shared<Elementwise>(s, op), inputs);
+  return array(args[0].shape(), float32, std::make_shared<Elementwise>(s, op), args);
 }
 
 array conv_silu(const array& window, const array& weight) {
@@ -373,8 +369,7 @@ array conv_silu(const array& window, const array& weight) {
         "conv_silu", "takes window [B, K-1+T, C] and weight [C, K] with T >= 1");
   Stream s = default_stream(Device::cpu);
   Shape shape{window.shape(0), window.shape(1) - weight.shape(1) + 1, window.shape(2)};
-  return array(shape, float32, std::make_shared<ConvSilu>(s),
-               {contiguous(window, false, s), contiguous(weight, false, s)});
+  return array(shape, float32, std::make_shared<ConvSilu>(s), {window, weight});
 }
 
 array causal_softmax(const array& scores) {
@@ -382,8 +377,7 @@ array causal_softmax(const array& scores) {
   check(scores.ndim() >= 2 && scores.shape(-2) <= scores.shape(-1) && scores.shape(-2) > 0,
         "causal_softmax", "takes scores [..., T, S] with 0 < T <= S");
   Stream s = default_stream(Device::cpu);
-  return array(scores.shape(), float32, std::make_shared<CausalSoftmax>(s),
-               {contiguous(scores, false, s)});
+  return array(scores.shape(), float32, std::make_shared<CausalSoftmax>(s), {scores});
 }
 
 }  // namespace

@@ -1,9 +1,12 @@
 // Output buffers for the CPU primitives: MLX's donation rule in one place.
 #pragma once
 
+#include <cstring>
+#include <vector>
+
 #include "mlx/allocator.h"
 #include "mlx/array.h"
-#include "mlx/ops.h"
+#include "mlx/backend/cpu/encoder.h"
 
 namespace chatml {
 
@@ -17,16 +20,52 @@ inline void donate_or_alloc(const mlx::core::array& in, mlx::core::array& out) {
   }
 }
 
-// A 2-D weight for the kernels, which read it row by row: used in place when it already is
-// (rows K apart, elements adjacent), including a row range of a bigger matrix, as the joined
-// decode projections leave their parts (engine/runtime/fused.py), where MLX's contiguous()
-// copied the view on every call; anything else (unevaluated, transposed) goes through it.
-inline mlx::core::array rows_in_place(const mlx::core::array& w, mlx::core::Stream s) {
-  if (w.ndim() == 2 && w.is_available() && w.strides()[1] == 1 &&
-      w.strides()[0] == static_cast<int64_t>(w.shape(1))) {
-    return w;
+// Whether `a`'s elements lie row-major from its data pointer (dimensions of size 1 aside): a
+// parameter, a row range of a bigger matrix (the joined decode projections' parts, see
+// engine/runtime/fused.py), a reshaped activation. MLX's flags say no for such views, and its
+// contiguous() copied a view of weights on every call.
+inline bool is_row_major(const mlx::core::array& a) {
+  int64_t expect = 1;
+  for (int d = static_cast<int>(a.ndim()) - 1; d >= 0; --d) {
+    if (a.shape(d) != 1 && a.strides()[d] != expect) {
+      return false;
+    }
+    expect *= a.shape(d);
   }
-  return mlx::core::contiguous(w, false, s);
+  return true;
+}
+
+// The kernels read their inputs as row-major buffers. They take their inputs as they come
+// (no contiguous() node in the graph: in a compiled decode step each was one more dispatch,
+// 388 of them in a 0.8B step), and this makes an input that is not row-major so while the
+// primitive runs: a temporary the encoder keeps alive, filled by a task queued before the
+// kernel's. Returns the array to read.
+inline mlx::core::array row_major(const mlx::core::array& a,
+                                  mlx::core::cpu::CommandEncoder& encoder) {
+  if (is_row_major(a)) {
+    return a;
+  }
+  mlx::core::array out(a.shape(), a.dtype(), nullptr, {});
+  out.set_data(mlx::core::allocator::malloc(out.nbytes()));
+  encoder.add_temporary(out);
+  encoder.dispatch([src = a, dst = out]() mutable {
+    const size_t item = src.itemsize();
+    const char* base = src.data<char>();
+    char* to = dst.data<char>();
+    const int nd = static_cast<int>(src.ndim());
+    std::vector<int64_t> at(nd, 0);
+    for (size_t i = 0; i < src.size(); ++i) {
+      int64_t offset = 0;
+      for (int d = 0; d < nd; ++d) {
+        offset += at[d] * src.strides()[d];
+      }
+      std::memcpy(to + i * item, base + offset * static_cast<int64_t>(item), item);
+      for (int d = nd - 1; d >= 0 && ++at[d] == src.shape(d); --d) {
+        at[d] = 0;
+      }
+    }
+  });
+  return out;
 }
 
 }  // namespace chatml

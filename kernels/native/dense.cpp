@@ -335,13 +335,13 @@ class DenseGemv : public UnaryPrimitive {
   explicit DenseGemv(Stream stream) : UnaryPrimitive(stream) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    const array& x = inputs[0];
-    const array& w = inputs[1];
     out.set_data(allocator::malloc(out.nbytes()));
     auto& encoder = cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(w);
+    encoder.set_input_array(inputs[0]);
+    encoder.set_input_array(inputs[1]);
     encoder.set_output_array(out);
+    const array x = row_major(inputs[0], encoder);
+    const array w = row_major(inputs[1], encoder);
     const int M = x.shape(0), K = x.shape(1), N = out.shape(1);
     encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), yp = out.data<float>(), M, N,
                       K]() { dense_gemv_impl(xp, wp, yp, M, N, K); });
@@ -370,8 +370,8 @@ void check(bool ok, const std::string& what) {
   }
 }
 
-// x [..., K] @ w [N, K].T -> [..., N], float32. Non-contiguous inputs (a transposed or sliced
-// view) are copied to row-major first; contiguous ones are used in place.
+// x [..., K] @ w [N, K].T -> [..., N], float32. Inputs that are not row-major (a transposed
+// view) are copied to row-major while it runs; others are read in place.
 array dense_gemv(const array& x, const array& w) {
   check(w.dtype() == float32 && w.ndim() == 2, "w must be a 2-D float32 array [N, K]");
   check(x.dtype() == float32 && x.ndim() >= 1, "x must be a float32 array [..., K]");
@@ -382,8 +382,7 @@ array dense_gemv(const array& x, const array& w) {
   check(K > 0 && N > 0, "w must not be empty");
   Stream s = default_stream(Device::cpu);
   const int M = static_cast<int>(x.size() / K);
-  array x2 = contiguous(reshape(x, {M, K}, s), false, s);
-  array y(Shape{M, N}, float32, std::make_shared<DenseGemv>(s), {x2, rows_in_place(w, s)});
+  array y(Shape{M, N}, float32, std::make_shared<DenseGemv>(s), {reshape(x, {M, K}, s), w});
   Shape out_shape = x.shape();
   out_shape.back() = N;
   return reshape(y, out_shape, s);

@@ -588,16 +588,16 @@ class QuantizedGemv : public UnaryPrimitive {
       : UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    const array& x = inputs[0];
-    const array& w = inputs[1];
-    const array& scales = inputs[2];
-    const array& biases = inputs[3];
     out.set_data(allocator::malloc(out.nbytes()));
     auto& encoder = cpu::get_command_encoder(stream());
     for (const array& a : inputs) {
       encoder.set_input_array(a);
     }
     encoder.set_output_array(out);
+    const array x = row_major(inputs[0], encoder);
+    const array w = row_major(inputs[1], encoder);
+    const array scales = row_major(inputs[2], encoder);
+    const array biases = row_major(inputs[3], encoder);
     const int M = x.shape(0), K = x.shape(1), N = out.shape(1);
     encoder.dispatch([xp = x.data<float>(), wp = w.data<uint8_t>(), sp = scales.data<void>(),
                       bp = biases.data<void>(), yp = out.data<float>(), dtype = scales.dtype(),
@@ -641,15 +641,15 @@ class QuantizedDequantize : public UnaryPrimitive {
       : UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    const array& w = inputs[0];
-    const array& scales = inputs[1];
-    const array& biases = inputs[2];
     out.set_data(allocator::malloc(out.nbytes()));
     auto& encoder = cpu::get_command_encoder(stream());
     for (const array& a : inputs) {
       encoder.set_input_array(a);
     }
     encoder.set_output_array(out);
+    const array w = row_major(inputs[0], encoder);
+    const array scales = row_major(inputs[1], encoder);
+    const array biases = row_major(inputs[2], encoder);
     const int N = out.shape(0), K = out.shape(1);
     encoder.dispatch([wp = w.data<uint8_t>(), sp = scales.data<void>(), bp = biases.data<void>(),
                       op = out.data<float>(), dtype = scales.dtype(), bits = bits_,
@@ -730,10 +730,8 @@ array quantized_gemv(const array& x, const array& w, const array& scales, const 
   check(x.shape(-1) == K, shapes.str());
   Stream s = default_stream(Device::cpu);
   int M = static_cast<int>(x.size() / K);
-  array x2 = contiguous(reshape(x, {M, K}, s), false, s);
   array y(Shape{M, N}, float32, std::make_shared<QuantizedGemv>(s, group_size, bits),
-          {x2, rows_in_place(w, s), rows_in_place(scales, s),
-           rows_in_place(biases, s)});
+          {reshape(x, {M, K}, s), w, scales, biases});
   Shape out_shape = x.shape();
   out_shape.back() = N;
   return reshape(y, out_shape, s);
@@ -746,8 +744,7 @@ array dequantize(const array& w, const array& scales, const array& biases, int g
   Stream s = default_stream(Device::cpu);
   return array(Shape{w.shape(0), K}, float32,
                std::make_shared<QuantizedDequantize>(s, group_size, bits),
-               {rows_in_place(w, s), rows_in_place(scales, s),
-                rows_in_place(biases, s)});
+               {w, scales, biases});
 }
 
 void bind_dense(nb::module_& m);  // dense.cpp: the float32 few-row GEMV
