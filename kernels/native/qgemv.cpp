@@ -27,6 +27,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <mutex>
 #include <sstream>
@@ -110,6 +111,22 @@ static inline void prefetch_l2(const uint8_t* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
 }
 
+// The scales and biases of the block of R rows kPrefetchPasses passes ahead: R rows of them
+// are contiguous, and a demand miss on them stalls every group's epilogue.
+template <typename S, int R>
+static inline void prefetch_group_params(const S* scales, const S* biases, int groups_stride) {
+  if (R > 1) {
+    const size_t ahead = static_cast<size_t>(kPrefetchPasses) * R * groups_stride;
+    const size_t bytes = static_cast<size_t>(R) * groups_stride * sizeof(S);
+    const uint8_t* sp = reinterpret_cast<const uint8_t*>(scales + ahead);
+    const uint8_t* bp = reinterpret_cast<const uint8_t*>(biases + ahead);
+    for (size_t at = 0; at < bytes; at += 64) {
+      prefetch_l2(sp + at);
+      prefetch_l2(bp + at);
+    }
+  }
+}
+
 // R output rows at once (rows `stride` bytes apart); writes y[0..R).
 template <int BITS, typename S, int R>
 static inline void rows_avx512(const uint8_t* w, size_t stride, const S* scales,
@@ -122,18 +139,7 @@ static inline void rows_avx512(const uint8_t* w, size_t stride, const S* scales,
     bias_part[r] = 0.0f;
   }
   const __m512i low = _mm512_set1_epi32(15);
-  // The scales and biases of the rows as many passes ahead: R rows of them are contiguous,
-  // and a demand miss on them stalls every group's epilogue.
-  if (R > 1) {
-    const size_t ahead = static_cast<size_t>(kPrefetchPasses) * R * groups_stride;
-    const size_t bytes = static_cast<size_t>(R) * groups_stride * sizeof(S);
-    const uint8_t* sp = reinterpret_cast<const uint8_t*>(scales + ahead);
-    const uint8_t* bp = reinterpret_cast<const uint8_t*>(biases + ahead);
-    for (size_t at = 0; at < bytes; at += 64) {
-      prefetch_l2(sp + at);
-      prefetch_l2(bp + at);
-    }
-  }
+  prefetch_group_params<S, R>(scales, biases, groups_stride);
   for (int g = 0; g < groups; ++g) {
     const float* x = xs + g * gs;
     __m512 acc[R][2];
@@ -265,16 +271,7 @@ static inline void rows_vnni(const uint8_t* w, size_t stride, const S* scales, c
     total[r] = _mm512_setzero_ps();
     bias_part[r] = 0.0f;
   }
-  if (R > 1) {  // as rows_avx512: the scales and biases of the rows kPrefetchPasses ahead
-    const size_t ahead = static_cast<size_t>(kPrefetchPasses) * R * groups_stride;
-    const size_t bytes = static_cast<size_t>(R) * groups_stride * sizeof(S);
-    const uint8_t* sp = reinterpret_cast<const uint8_t*>(scales + ahead);
-    const uint8_t* bp = reinterpret_cast<const uint8_t*>(biases + ahead);
-    for (size_t at = 0; at < bytes; at += 64) {
-      prefetch_l2(sp + at);
-      prefetch_l2(bp + at);
-    }
-  }
+  prefetch_group_params<S, R>(scales, biases, groups_stride);
   const __m512i nibble = _mm512_set1_epi8(15);
   const __m512 radix2 = _mm512_set1_ps(65536.0f);
   constexpr int kGroups = 128 / GS;  // groups per block
@@ -417,8 +414,9 @@ static std::vector<float> group_sums(const float* x, int M, int K, int gs) {
   return xsum;
 }
 
-// Contiguous ranges of output rows per part, multiples of 16 so that threads do not share
-// cache lines of y; `rows(n, count)` computes output rows [n, n + count) for every x row.
+// Splits the N output rows over the pool in contiguous ranges, multiples of 16 so that threads
+// do not share cache lines of y: `block(n)` computes rows [n, n + BLOCK) for every x row,
+// `one(n)` row n (a range's remainder, or every row when BLOCK is 1).
 template <int BLOCK, typename F1, typename FB>
 static void split_rows(int N, size_t row_bytes, F1 one, FB block) {
   auto job = [&](int part, int parts) {
@@ -474,7 +472,7 @@ template <int BITS, typename S>
 void gemv(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y, int M,
           int N, int K, int gs) {
 #if defined(__AVX512VNNI__)
-  if (BITS == 4 && std::string(q4_kernel(K, gs)) == "vnni") {
+  if (BITS == 4 && std::strcmp(q4_kernel(K, gs), "vnni") == 0) {
     if (gs == 32) {
       return gemv4_vnni<S, 32>(x, w, scales, biases, y, M, N, K);
     } else if (gs == 64) {
