@@ -62,10 +62,12 @@ def joinable(layers: list[nn.Module]) -> bool:
 
 
 def join_projections(model: nn.Module) -> int:
-    """Give every layer that has them its joined decode projections; returns how many."""
+    """Join the projections each module names in its `JOINED` (the layers of one input) into
+    its `joined`, where they can be; returns how many modules were joined."""
     count = 0
     for m in model.modules():
-        join = getattr(m, "join", None)
-        if callable(join) and join():
+        names = getattr(type(m), "JOINED", None)
+        if names and joinable(parts := [m[n] for n in names]):
+            m.joined = Joined(parts)
             count += 1
     return count

@@ -23,7 +23,6 @@ from kernels.attention import attention
 
 from ..checkpoints.registry import Architecture
 from .cache import KVCache, MTPCache, RecurrentCache
-from .fused import Joined, joinable
 
 
 @dataclass(frozen=True)
@@ -53,6 +52,8 @@ class RMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """Linear attention with the gated delta rule; its cache is (conv tail, delta state)."""
 
+    JOINED = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # one product: runtime.fused
+
     def __init__(self, a: Architecture, options: ModelOptions):
         super().__init__()
         self.hk, self.hv = a.linear_num_key_heads, a.linear_num_value_heads
@@ -71,12 +72,6 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(self.dv, a.rms_norm_eps)
         self.out_proj = nn.Linear(self.hv * self.dv, a.hidden_size, bias=False)
         self.joined = None  # qkv, z, b, a as one product in decode (runtime.fused)
-
-    def join(self) -> bool:
-        parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
-        if joinable(parts):
-            self.joined = Joined(parts)
-        return self.joined is not None
 
     def _inputs(self, x: mx.array) -> list[mx.array]:
         """qkv, z, b and a of one token `x [B, H]`."""
@@ -176,6 +171,8 @@ def _rotate(x: mx.array, dims: int, cos: mx.array, sin: mx.array) -> mx.array:
 class Attention(nn.Module):
     """Grouped-query softmax attention with q/k norms, partial RoPE and a sigmoid output gate."""
 
+    JOINED = ("q_proj", "k_proj", "v_proj")  # one product in decode steps: runtime.fused
+
     def __init__(self, a: Architecture, native: bool = False):
         super().__init__()
         self.native = native  # ModelOptions.native_activations
@@ -194,12 +191,6 @@ class Attention(nn.Module):
         self._inv_freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * step)
         mx.eval(self._inv_freqs)
         self.joined = None  # q, k and v as one product in decode (runtime.fused)
-
-    def join(self) -> bool:
-        parts = [self.q_proj, self.k_proj, self.v_proj]
-        if joinable(parts):
-            self.joined = Joined(parts)
-        return self.joined is not None
 
     def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
         q, k, v, gate = self.project(x, cache.offset)
@@ -258,6 +249,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    JOINED = ("gate_proj", "up_proj")  # one product in decode steps: runtime.fused
+
     def __init__(self, dims: int, hidden: int, native: bool = False):
         super().__init__()
         self.native = native  # ModelOptions.native_activations
@@ -265,12 +258,6 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(dims, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dims, bias=False)
         self.joined = None  # gate and up as one product in decode (runtime.fused)
-
-    def join(self) -> bool:
-        parts = [self.gate_proj, self.up_proj]
-        if joinable(parts):
-            self.joined = Joined(parts)
-        return self.joined is not None
 
     def __call__(self, x: mx.array) -> mx.array:
         if x.ndim == 2 and self.joined is not None:  # a decode step's [B, H]
