@@ -60,6 +60,18 @@ def native_kernels():
 
 
 @pytest.fixture(scope="module")
+def mod():
+    """The native kernels' module, loaded afresh for the test module (a test before may have
+    left `kernels.native` reset or forced off)."""
+    from kernels import native
+
+    native.reset()
+    m = native.module()
+    assert m is not None, native.info().reason  # a compiler is present in CI: it must build
+    return m
+
+
+@pytest.fixture(scope="module")
 def server(tiny):
     """A live server on `tiny` per test module (context window `helpers.SERVER_WINDOW`). No
     idle-time warm-up, so reuse is what each request itself found (deterministic); no

@@ -21,14 +21,6 @@ from kernels import native
 REL = 2e-6
 
 
-@pytest.fixture(scope="module")
-def mod():
-    native.reset()
-    m = native.module()
-    assert m is not None, native.info().reason  # a compiler is present in CI: it must build
-    return m
-
-
 def reference(x: mx.array, w: mx.array):
     xd = np.array(x, dtype=np.float64).reshape(-1, w.shape[1])
     wd = np.array(w, dtype=np.float64)

@@ -25,14 +25,6 @@ from kernels import native
 REL = 2e-6
 
 
-@pytest.fixture(scope="module")
-def mod():
-    native.reset()
-    m = native.module()
-    assert m is not None, native.info().reason  # a compiler is present in CI: it must build
-    return m
-
-
 def unpack(w: mx.array, bits: int) -> np.ndarray:
     """uint32-packed weights -> [N, K] integers, lowest bits first (MLX's affine layout)."""
     b = np.array(w).view(np.uint8)
