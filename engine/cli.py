@@ -89,7 +89,7 @@ def native_path() -> str:
 
     got = native.info()
     if got.active:
-        q4 = native.module().q4_kernel()  # "vnni": 4 bits multiply in integers (exact x)
+        q4 = native.module().q4_kernel()  # "vnni", "maddubs": 4 bits multiply in integers
         kernels = got.isa if q4 == got.isa else f"{got.isa}, 4-bit: {q4}"
         return f"native ({kernels}, {got.threads} threads; {got.path})"
     return f"MLX ops (slower: {got.reason})"

@@ -4,10 +4,11 @@ its build/fallback reporting, and `engine.load(quantize=...)` against mlx-lm.
 Tolerance (every format): |y - ref| <= 2e-6 * (|W| @ |x|) per output, W the dequantized
 matrix in float64. The kernels accumulate in float32 (K = 512..2048 terms, partial sums per
 group and lane), so the error is bounded by a few float32 ulps of the sum of magnitudes; the
-scales and biases are used at their stored precision on both sides. The 4-bit VNNI kernel
-(AVX-512 VNNI) sums exact integer products of x in 24-bit fixed point per group: its extra
-error is at most 2^-23 of the group's largest |x| per element, and stays within the same bound
-on these inputs; `test_vnni_fixed_point_error_bound` checks its own bound with outliers.
+scales and biases are used at their stored precision on both sides. The 4-bit fixed-point
+kernels (AVX-512 VNNI, AVX2) sum exact integer products of x in 24-bit fixed point per group:
+their extra error is at most 2^-23 of the group's largest |x| per element, and stays within
+the same bound on these inputs; `test_fixed_point_error_bound` checks its own bound with
+outliers.
 """
 
 import os
@@ -74,18 +75,22 @@ def cpu_flags() -> set[str]:
         return set()
 
 
-def test_vnni_kernel_runs_where_the_cpu_has_it(mod, monkeypatch):
-    if "avx512_vnni" in cpu_flags() and mod.isa() == "avx512":
-        assert mod.q4_kernel(1024, 64) == "vnni"
-        assert mod.q4_kernel(192, 64) == "avx512"  # rows not in 128-weight blocks
-        monkeypatch.setenv("CHATML_GEMV_ISA", "float")
-        assert mod.q4_kernel(1024, 64) == "avx512"
-    else:
+def test_fixed_point_kernel_runs_where_the_cpu_has_it(mod, monkeypatch):
+    """4 bits multiply in integers with AVX-512 VNNI ("vnni") or AVX2 ("maddubs") when rows
+    come in whole 128-weight blocks; CHATML_GEMV_ISA=float keeps the float kernel."""
+    fixed = {"avx512": "vnni" if "avx512_vnni" in cpu_flags() else None, "avx2": "maddubs"}
+    want = fixed.get(mod.isa())
+    if want is None:
         assert mod.q4_kernel(1024, 64) == mod.isa()
+        return
+    assert mod.q4_kernel(1024, 64) == want
+    assert mod.q4_kernel(192, 64) == mod.isa()  # rows not in 128-weight blocks
+    monkeypatch.setenv("CHATML_GEMV_ISA", "float")
+    assert mod.q4_kernel(1024, 64) == mod.isa()
 
 
 @pytest.mark.parametrize("gs", [32, 64, 128])
-def test_vnni_fixed_point_error_bound(mod, gs):
+def test_fixed_point_error_bound(mod, gs):
     """x with outliers (a few values 10^4 times the rest, as in real activations) and a zero
     group: the 4-bit kernel is within float32 rounding of the float64 product of x rounded to
     24-bit fixed point per group, error <= 2^-23 * max_g|x| * sum|w| (+ float32 sums)."""
@@ -104,6 +109,26 @@ def test_vnni_fixed_point_error_bound(mod, gs):
     top = np.repeat(np.abs(xn).reshape(2, -1, gs).max(axis=2), gs, axis=1)
     bound = 2.0**-23 * (top @ wq.T) + 2e-6 * mag
     assert np.isfinite(y).all() and (np.abs(y - ref) <= bound).all()
+
+
+@pytest.mark.parametrize("isa", ["simd", "float"])
+def test_4bit_rows_at_the_ends_of_the_float_range(mod, monkeypatch, isa):
+    """A row scaled by 2^-120 (whose fixed-point units 2^(e - 23) would be subnormal), one by
+    10^30, a 2^-140 group in an ordinary row, and an inf: the float64 bound holds on the
+    finite rows and the inf's row is not finite."""
+    if isa == "float":
+        monkeypatch.setenv("CHATML_GEMV_ISA", "float")
+    x, w, s, b = case(96, 1024, 64, 4, mx.bfloat16, M=4, seed=5)
+    xn = np.array(x, dtype=np.float64)
+    xn[0] *= 2.0**-120
+    xn[1] *= 1e30
+    xn[2, 64:128] *= 2.0**-140
+    xn[3, 3] = np.inf
+    x = mx.array(xn.astype(np.float32))
+    y = np.array(mod.quantized_gemv(x, w, s, b, 64, 4), dtype=np.float64)
+    ref, mag = reference(x[:3], w, s, b, 64, 4)
+    assert (np.abs(y[:3] - ref) <= REL * mag).all()
+    assert not np.isfinite(y[3]).any()
 
 
 @pytest.mark.parametrize("bits", [8, 4])

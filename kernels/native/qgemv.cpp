@@ -10,15 +10,16 @@
 // rows are split over a small pool of threads. Decode is memory bound: the kernels only need
 // to turn bytes into floats faster than memory delivers them.
 //
-// 4 bits with AVX-512 VNNI (kernel "vnni") multiplies in integers instead: turning nibbles
-// into floats costs more than reading them (a 4-bit row took as long as an 8-bit row). Each
-// group of x becomes 24-bit fixed point, m = round(x * 2^(23 - e)) with 2^e just above the
-// group's largest |x|, held as three signed bytes (m = d0 + 256 d1 + 65536 d2); `vpdpbusd`
-// then sums nibble * digit products exactly in int32, 64 per instruction. The only rounding
-// beyond float32's is that of x to the fixed point: at most 2^-23 of the group's largest |x|
-// per element (float32 rounds each x to 2^-24 of itself), so the product error stays at
-// float32's level (tests/test_native.py bounds it, outliers included). Activations keep their
-// float32 precision; this is not the 8-bit activation quantization of llama.cpp's kernels.
+// 4 bits with AVX-512 VNNI (kernel "vnni") or AVX2 (kernel "maddubs") multiply in integers
+// instead: turning nibbles into floats costs more than reading them (a 4-bit row took as long
+// as an 8-bit row). Each group of x becomes 24-bit fixed point, m = round(x * 2^(23 - e))
+// with 2^e just above the group's largest |x|, held as three signed bytes (m = d0 + 256 d1 +
+// 65536 d2); `vpdpbusd` (or `vpmaddubsw` + `vpmaddwd`) then sums nibble * digit products
+// exactly in int32. The only rounding beyond float32's is that of x to the fixed point: at
+// most 2^-23 of the group's largest |x| per element (float32 rounds each x to 2^-24 of
+// itself), so the product error stays at float32's level (tests/test_native.py bounds it,
+// outliers included). Activations keep their float32 precision; this is not the 8-bit
+// activation quantization of llama.cpp's kernels.
 
 #include <algorithm>
 #include <atomic>
@@ -97,14 +98,12 @@ struct Generic {
   }
 };
 
-#if defined(__AVX512F__)
-constexpr int kBlock = 32;  // 4-bit reorder block: 16 low + 16 high nibbles per 16 bytes
-constexpr const char* kIsa = "avx512";
-constexpr int kRows = 4;  // output rows per pass: each activation load feeds four rows
-// Each pass prefetches (into L2) the same bytes of the block of rows this many passes ahead,
-// one line per row per 64 bytes read. The hardware prefetcher alone kept short rows (the LM
-// head, K = 1024: four rows are one 4 KiB page, read interleaved) at ~10 GB/s; with this,
-// ~22 GB/s, square matrices unchanged (BENCHMARKS.md, "Prefetching the next rows").
+#if defined(__AVX2__) && defined(__FMA__)
+// Each pass of a multi-row kernel prefetches (into L2) the same bytes of the block of rows
+// this many passes ahead, one line per row per 64 bytes read. The hardware prefetcher alone
+// kept short rows (the LM head, K = 1024: four rows are one 4 KiB page, read interleaved) at
+// ~10 GB/s; with this, ~22 GB/s, square matrices unchanged (BENCHMARKS.md, "Prefetching the
+// next rows").
 constexpr int kPrefetchPasses = 2;
 
 static inline void prefetch_l2(const uint8_t* p) {
@@ -126,6 +125,91 @@ static inline void prefetch_group_params(const S* scales, const S* biases, int g
     }
   }
 }
+
+// 4 bits in integers (kernels "vnni" and "maddubs"): each group of x becomes 24-bit fixed
+// point, three signed bytes per element. Activations of one x row, per 128-element block (64
+// bytes of a weight row): six 64-byte planes, digit p of the low (h = 0) or high (h = 1)
+// nibbles' x, plane (2p + h) byte j holding digit p of x[b + 2j + h]; and per group the fixed
+// point's unit 2^(e - 23), folded into the group's scale.
+// Eight int32 digits in [-128, 127] as eight bytes at `at`.
+static inline void store_digits(int8_t* at, __m256i d) {
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(at), _mm_packs_epi16(w, w));
+}
+
+// The even (h = 0) or odd (h = 1) elements of x[0..16), times s1 * s2 rounded to the nearest
+// integer (ties to even, as lrint), as three digits into planes 2p + h at byte j.
+static inline void fixed_digits(__m256 v, __m256 s1, __m256 s2, int8_t* block, int h, int j) {
+  __m256i m = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v, s1), s2));
+  const __m256i half = _mm256_set1_epi32(128), byte = _mm256_set1_epi32(255);
+  for (int p = 0; p < 3; ++p) {
+    const __m256i d = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(m, half), byte), half);
+    store_digits(block + (2 * p + h) * 64 + j, d);
+    m = _mm256_srai_epi32(_mm256_sub_epi32(m, d), 8);
+  }
+}
+
+// Returns the largest exponent e (max|x| < 2^e) of the row's nonzero finite groups, INT_MIN if
+// there are none.
+static int fixed_point(const float* x, int K, int gs, int8_t* planes, float* unit) {
+  int row_e = std::numeric_limits<int>::min();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  for (int g = 0; g < K / gs; ++g) {
+    const float* xg = x + static_cast<size_t>(g) * gs;
+    __m256 top8 = _mm256_setzero_ps(), wild = _mm256_setzero_ps();
+    for (int k = 0; k < gs; k += 8) {
+      const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + k));
+      top8 = _mm256_max_ps(top8, a);
+      wild = _mm256_or_ps(wild, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // inf or nan
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top8);
+    const float top = *std::max_element(lanes, lanes + 8);
+    const int at = g * gs, b = at / 128 * 128, j0 = (at - b) / 2;
+    int8_t* block = planes + static_cast<size_t>(b) * 3;
+    if (_mm256_movemask_ps(wild) != 0) {  // the group's products are not numbers either
+      unit[g] = std::numeric_limits<float>::quiet_NaN();
+      for (int plane = 0; plane < 6; ++plane) {
+        std::memset(block + plane * 64 + j0, 0, static_cast<size_t>(gs) / 2);
+      }
+      continue;
+    }
+    int e = 0;
+    std::frexp(top, &e);  // top < 2^e
+    // Three balanced base-256 digits reach 2^23 - 2^15 - 2^7 - 1: one more bit of headroom
+    // for the groups whose largest |x| is within 0.4% of 2^e.
+    if (top > 0.0f && std::ldexp(top, 23 - e) >= 8355711.0f) {
+      ++e;
+    }
+    unit[g] = std::ldexp(1.0f, e - 23);
+    if (top > 0.0f) {
+      row_e = std::max(row_e, e);
+    }
+    // x * 2^(23 - e) in two exact halves: 2^(23 - e) alone overflows a float for subnormal top.
+    const int shift = 23 - e;
+    const __m256 s1 = _mm256_set1_ps(std::ldexp(1.0f, shift / 2));
+    const __m256 s2 = _mm256_set1_ps(std::ldexp(1.0f, shift - shift / 2));
+    for (int k = 0; k < gs; k += 16) {
+      const __m256 lo = _mm256_loadu_ps(xg + k), hi = _mm256_loadu_ps(xg + k + 8);
+      // shuffle_ps picks within 128-bit lanes: [x0 x2 x8 x10 | x4 x6 x12 x14]; the 64-bit
+      // permute puts them in order.
+      const auto in_order = [](__m256 v) {
+        return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0xD8));
+      };
+      const int j = j0 + k / 2;
+      fixed_digits(in_order(_mm256_shuffle_ps(lo, hi, 0x88)), s1, s2, block, 0, j);
+      fixed_digits(in_order(_mm256_shuffle_ps(lo, hi, 0xDD)), s1, s2, block, 1, j);
+    }
+  }
+  return row_e;
+}
+#endif
+
+#if defined(__AVX512F__)
+constexpr int kBlock = 32;  // 4-bit reorder block: 16 low + 16 high nibbles per 16 bytes
+constexpr const char* kIsa = "avx512";
+constexpr int kRows = 4;  // output rows per pass: each activation load feeds four rows
 
 // R output rows at once (rows `stride` bytes apart); writes y[0..R).
 template <int BITS, typename S, int R>
@@ -198,47 +282,9 @@ struct Simd {
   }
 };
 #if defined(__AVX512VNNI__)
-constexpr bool kVnni = true;
-
-// Activations of one x row for the 4-bit VNNI kernel, per 128-element block (64 bytes of a
-// weight row): six 64-byte planes, digit p of the low (h = 0) or high (h = 1) nibbles' x,
-// plane (2p + h) byte j holding digit p of x[b + 2j + h]; and per group the fixed point's
-// unit 2^(e - 23), folded into the group's scale.
-static void fixed_point(const float* x, int K, int gs, int8_t* planes, float* unit) {
-  std::vector<int32_t> m(static_cast<size_t>(gs));
-  for (int g = 0; g < K / gs; ++g) {
-    const float* xg = x + static_cast<size_t>(g) * gs;
-    float top = 0.0f;
-    for (int k = 0; k < gs; ++k) {
-      top = std::max(top, std::fabs(xg[k]));
-    }
-    if (!std::isfinite(top)) {  // inf/nan in x: the group's products are not numbers either
-      unit[g] = std::numeric_limits<float>::quiet_NaN();
-      std::fill(m.begin(), m.end(), 0);
-    } else {
-      int e = 0;
-      std::frexp(top, &e);  // top < 2^e
-      // Three balanced base-256 digits reach 2^23 - 2^15 - 2^7 - 1: one more bit of headroom
-      // for the groups whose largest |x| is within 0.4% of 2^e.
-      if (top > 0.0f && std::ldexp(top, 23 - e) >= 8355711.0f) {
-        ++e;
-      }
-      unit[g] = std::ldexp(1.0f, e - 23);
-      for (int k = 0; k < gs; ++k) {
-        m[k] = static_cast<int32_t>(std::lrint(std::ldexp(xg[k], 23 - e)));
-      }
-    }
-    for (int k = 0; k < gs; ++k) {
-      const int at = g * gs + k, b = at / 128 * 128, j = (at - b) / 2, h = (at - b) & 1;
-      int32_t v = m[k];
-      for (int p = 0; p < 3; ++p) {
-        const int32_t d = ((v + 128) & 255) - 128;
-        planes[static_cast<size_t>(b) * 3 + (2 * p + h) * 64 + j] = static_cast<int8_t>(d);
-        v = (v - d) >> 8;
-      }
-    }
-  }
-}
+#define CHATML_Q4_FIXED 1
+constexpr const char* kFixedIsa = "vnni";  // vpdpbusd: 64 nibble * digit products a step
+constexpr int kFixedRows = kRows;
 
 // The scales of a 128-weight block per dword lane (lane l holds weights 8l..8l+7), each
 // times its group's fixed-point unit.
@@ -262,7 +308,7 @@ static inline __m512 block_scales(const S* scales, const float* unit, int g) {
 
 // R output rows of 4-bit weights against one x row prepared by fixed_point.
 template <typename S, int GS, int R>
-static inline void rows_vnni(const uint8_t* w, size_t stride, const S* scales, const S* biases,
+static inline void rows_fixed(const uint8_t* w, size_t stride, const S* scales, const S* biases,
                              int groups_stride, const int8_t* planes, const float* unit,
                              const float* xsum, int K, float* y) {
   __m512 total[R];
@@ -306,11 +352,11 @@ static inline void rows_vnni(const uint8_t* w, size_t stride, const S* scales, c
     y[r] = _mm512_reduce_add_ps(total[r]) + bias_part[r];
   }
 }
-#else
-constexpr bool kVnni = false;
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr bool kVnni = false;
+#define CHATML_Q4_FIXED 1
+constexpr const char* kFixedIsa = "maddubs";  // vpmaddubsw: 32 products a step, in int16
+constexpr int kFixedRows = 4;
 constexpr int kBlock = 16;  // 8 low + 8 high nibbles per 8 bytes
 constexpr const char* kIsa = "avx2";
 constexpr int kRows = 1;
@@ -365,8 +411,71 @@ struct Simd {
     y[0] = row(w, scales, biases, xs, xsum, groups, gs);
   }
 };
+
+// The scales of a 64-weight chunk per dword lane (lane l holds weights 8l..8l+7), each times
+// its group's fixed-point unit; g is the chunk's first group.
+template <typename S, int GS>
+static inline __m256 chunk_scales(const S* scales, const float* unit, int g) {
+  const float first = static_cast<float>(scales[g]) * unit[g];
+  if (GS >= 64) {
+    return _mm256_set1_ps(first);
+  }
+  const float second = static_cast<float>(scales[g + 1]) * unit[g + 1];
+  return _mm256_setr_ps(first, first, first, first, second, second, second, second);
+}
+
+// R output rows of 4-bit weights against one x row prepared by fixed_point, with AVX2's
+// vpmaddubsw (nibble * digit pairs summed in int16: at most 2 * 15 * 128, exact), vpmaddwd
+// (pairs of those to int32) and the same fixed-point sums as the VNNI kernel.
+template <typename S, int GS, int R>
+static inline void rows_fixed(const uint8_t* w, size_t stride, const S* scales, const S* biases,
+                              int groups_stride, const int8_t* planes, const float* unit,
+                              const float* xsum, int K, float* y) {
+  __m256 total[R];
+  float bias_part[R];
+  for (int r = 0; r < R; ++r) {
+    total[r] = _mm256_setzero_ps();
+    bias_part[r] = 0.0f;
+  }
+  prefetch_group_params<S, R>(scales, biases, groups_stride);
+  const __m256i nibble = _mm256_set1_epi8(15);
+  const __m256i pairs = _mm256_set1_epi16(1);
+  const __m256 radix2 = _mm256_set1_ps(65536.0f);
+  constexpr int kGroups = 128 / GS;  // groups per block
+  for (int b = 0; b < K; b += 128) {
+    const int8_t* d = planes + static_cast<size_t>(b) * 3;
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* q = w + r * stride + b / 2;
+      prefetch_l2(q + kPrefetchPasses * R * stride);
+      const S* sr = scales + static_cast<size_t>(r) * groups_stride;
+      for (int c = 0; c < 64; c += 32) {  // two chunks of 64 weights (32 bytes)
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(q + c));
+        const __m256i lo = _mm256_and_si256(v, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        __m256i p[3];
+        for (int k = 0; k < 3; ++k) {  // digit k: low nibbles meet plane 2k, high plane 2k + 1
+          const __m256i dl = _mm256_loadu_si256((const __m256i*)(d + 128 * k + c));
+          const __m256i dh = _mm256_loadu_si256((const __m256i*)(d + 128 * k + 64 + c));
+          const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(lo, dl),
+                                                _mm256_maddubs_epi16(hi, dh));
+          p[k] = _mm256_madd_epi16(both, pairs);  // |p| <= 8 * 15 * 128
+        }
+        const __m256i low = _mm256_add_epi32(_mm256_slli_epi32(p[1], 8), p[0]);
+        const __m256 sum =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[2]), radix2, _mm256_cvtepi32_ps(low));
+        total[r] = _mm256_fmadd_ps(chunk_scales<S, GS>(sr, unit, (b + 2 * c) / GS), sum, total[r]);
+      }
+      const S* br = biases + static_cast<size_t>(r) * groups_stride;
+      for (int i = 0; i < kGroups; ++i) {
+        bias_part[r] += static_cast<float>(br[b / GS + i]) * xsum[b / GS + i];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    y[r] = hsum256(total[r]) + bias_part[r];
+  }
+}
 #else
-constexpr bool kVnni = false;
 constexpr int kBlock = 32;
 constexpr const char* kIsa = "generic";
 constexpr int kRows = 1;
@@ -375,7 +484,8 @@ using Simd = Generic<BITS, S>;
 #endif
 
 // Which kernel family runs: CHATML_GEMV_ISA=generic forces the portable one, =float the
-// float-activation SIMD kernels where VNNI would run (both for tests and benchmarks).
+// float-activation SIMD kernels where the fixed-point 4-bit kernels would run (both for tests
+// and benchmarks).
 static std::string forced_isa() {
   const char* env = std::getenv("CHATML_GEMV_ISA");
   return env != nullptr ? std::string(env) : std::string();
@@ -391,9 +501,11 @@ static const char* q4_kernel(int K, int gs) {
   if (forced == "generic") {
     return "generic";
   }
-  if (kVnni && forced != "float" && K % 128 == 0 && 128 % gs == 0) {
-    return "vnni";
+#if defined(CHATML_Q4_FIXED)
+  if (forced != "float" && K % 128 == 0 && 128 % gs == 0) {
+    return kFixedIsa;
   }
+#endif
   return kIsa;
 }
 
@@ -435,16 +547,39 @@ static void split_rows(int N, size_t row_bytes, F1 one, FB block) {
   pool().run(job, parts_for(row_bytes * N));
 }
 
-#if defined(__AVX512VNNI__)
+#if defined(CHATML_Q4_FIXED)
 template <typename S, int GS>
-void gemv4_vnni(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y,
+void gemv4_fixed(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y,
                 int M, int N, int K) {
   const int groups = K / GS;
   std::vector<int8_t> planes(static_cast<size_t>(M) * K * 3);
   std::vector<float> unit(static_cast<size_t>(M) * groups);
+  // A row whose largest |x| is below 2^-64 would have units 2^(e - 23) near or below float's
+  // smallest normal, and its products would lose their low bits or vanish: it runs scaled up
+  // by 2^k and its outputs are scaled back, both exact but for the final rounding.
+  std::vector<float> scaled;
+  std::vector<float> back(static_cast<size_t>(M), 1.0f);
   for (int m = 0; m < M; ++m) {
-    fixed_point(x + static_cast<size_t>(m) * K, K, GS, planes.data() + static_cast<size_t>(m) * K * 3,
-                unit.data() + static_cast<size_t>(m) * groups);
+    const auto prepare = [&](const float* row) {
+      return fixed_point(row, K, GS, planes.data() + static_cast<size_t>(m) * K * 3,
+                         unit.data() + static_cast<size_t>(m) * groups);
+    };
+    const int row_e = prepare(x + static_cast<size_t>(m) * K);
+    if (row_e != std::numeric_limits<int>::min() && row_e < -64) {
+      if (scaled.empty()) {
+        scaled.assign(x, x + static_cast<size_t>(M) * K);
+      }
+      const int k = std::min(126, -row_e);
+      float* row = scaled.data() + static_cast<size_t>(m) * K;
+      for (int i = 0; i < K; ++i) {
+        row[i] = std::ldexp(row[i], k);
+      }
+      prepare(row);
+      back[m] = std::ldexp(1.0f, -k);
+    }
+  }
+  if (!scaled.empty()) {
+    x = scaled.data();
   }
   const std::vector<float> xsum = group_sums(x, M, K, GS);
   const size_t row_bytes = static_cast<size_t>(K) / 2;
@@ -452,33 +587,33 @@ void gemv4_vnni(const float* x, const uint8_t* w, const S* scales, const S* bias
     constexpr int R = decltype(count)::value;
     float out[R];
     for (int m = 0; m < M; ++m) {
-      rows_vnni<S, GS, R>(w + n * row_bytes, row_bytes, scales + static_cast<size_t>(n) * groups,
+      rows_fixed<S, GS, R>(w + n * row_bytes, row_bytes, scales + static_cast<size_t>(n) * groups,
                           biases + static_cast<size_t>(n) * groups, groups,
                           planes.data() + static_cast<size_t>(m) * K * 3,
                           unit.data() + static_cast<size_t>(m) * groups,
                           xsum.data() + static_cast<size_t>(m) * groups, K, out);
       for (int r = 0; r < R; ++r) {
-        y[static_cast<size_t>(m) * N + n + r] = out[r];
+        y[static_cast<size_t>(m) * N + n + r] = out[r] * back[m];
       }
     }
   };
-  split_rows<kRows>(
+  split_rows<kFixedRows>(
       N, row_bytes, [&](int n) { rows(std::integral_constant<int, 1>{}, n); },
-      [&](int n) { rows(std::integral_constant<int, kRows>{}, n); });
+      [&](int n) { rows(std::integral_constant<int, kFixedRows>{}, n); });
 }
 #endif
 
 template <int BITS, typename S>
 void gemv(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y, int M,
           int N, int K, int gs) {
-#if defined(__AVX512VNNI__)
-  if (BITS == 4 && std::strcmp(q4_kernel(K, gs), "vnni") == 0) {
+#if defined(CHATML_Q4_FIXED)
+  if (BITS == 4 && std::strcmp(q4_kernel(K, gs), kFixedIsa) == 0) {
     if (gs == 32) {
-      return gemv4_vnni<S, 32>(x, w, scales, biases, y, M, N, K);
+      return gemv4_fixed<S, 32>(x, w, scales, biases, y, M, N, K);
     } else if (gs == 64) {
-      return gemv4_vnni<S, 64>(x, w, scales, biases, y, M, N, K);
+      return gemv4_fixed<S, 64>(x, w, scales, biases, y, M, N, K);
     }
-    return gemv4_vnni<S, 128>(x, w, scales, biases, y, M, N, K);
+    return gemv4_fixed<S, 128>(x, w, scales, biases, y, M, N, K);
   }
 #endif
   const int groups = K / gs;
@@ -762,7 +897,7 @@ NB_MODULE(_chatml_qgemv, m) {
   m.def("isa", [] { return std::string(chatml::kIsa); }, "The instruction set compiled for.");
   m.def("q4_kernel", [](int K, int gs) { return std::string(chatml::q4_kernel(K, gs)); },
         nb::arg("K") = 1024, nb::arg("group_size") = 64,
-        "The kernel a 4-bit product of row length K takes: vnni, avx512, avx2 or generic.");
+        "The kernel a 4-bit product of row length K takes: vnni, maddubs, avx512, avx2 or generic.");
   m.def("threads", [] { return chatml::pool().size(); }, "Threads that split output rows.");
   m.def("mlx_version", [] { return std::string(MLX_VERSION_STR); },
         "The MLX version this module was compiled against.");
