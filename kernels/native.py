@@ -17,7 +17,9 @@ instead of loading a module built for another ABI. ``chatml build-kernels`` buil
 Without a compiler, CMake or nanobind (or with ``CHATML_NATIVE=0``) everything still works
 through the Python path (MLX's ops), and one line on stderr says why, once per process.
 ``CHATML_NATIVE=build`` is the default (build when missing); ``CHATML_NATIVE=cached`` only
-loads an existing build.
+loads an existing build. The build targets this CPU (``-march=native``);
+``CHATML_NATIVE_MARCH=haswell`` (any GCC/Clang ``-march``) builds for another x86 level
+instead, as its own build: the tests use it to run the AVX2 kernels on an AVX-512 machine.
 """
 
 from __future__ import annotations
@@ -89,6 +91,12 @@ def _mode() -> str:
     return "cached" if value == "cached" else "build"
 
 
+def _march() -> str:
+    """The x86 ``-march`` of the build: this CPU's (native) unless CHATML_NATIVE_MARCH names
+    another (ignored on ARM, whose builds take the compiler's default)."""
+    return os.environ.get("CHATML_NATIVE_MARCH", "").strip() or "native"
+
+
 def _cpu() -> str:
     """The CPU's feature flags, digested: the build uses -march=native, so a module in a
     CHATML_HOME shared between machines (a network home, a copied cache) is only for a CPU
@@ -114,11 +122,13 @@ def _versions() -> dict[str, str]:
         "python": sysconfig.get_config_var("SOABI") or sys.version.split()[0],
         "machine": platform.machine(),
         "cpu": _cpu(),
+        "march": _march(),
     }
 
 
 def _key() -> str:
-    """Cache key: tool versions, interpreter ABI, machine, CPU flags and the sources' bytes."""
+    """Cache key: tool versions, interpreter ABI, machine, CPU flags, -march and the sources'
+    bytes."""
     digest = hashlib.sha256(repr(sorted(_versions().items())).encode())
     for f in sorted(SOURCE_DIR.iterdir()):
         if f.suffix in (".cpp", ".h", ".txt"):
@@ -169,7 +179,7 @@ def build(*, quiet: bool = True) -> Path:
         configure = [
             "cmake", "-S", str(SOURCE_DIR), "-B", tmp, f"-DMLX_DIR={mlx_cmake}",
             f"-Dnanobind_DIR={nanobind.cmake_dir()}", f"-DPython_EXECUTABLE={sys.executable}",
-            "-DCMAKE_BUILD_TYPE=Release",
+            "-DCMAKE_BUILD_TYPE=Release", f"-DCHATML_MARCH={_march()}",
         ]  # fmt: skip
         if shutil.which("ninja"):
             configure += ["-G", "Ninja"]

@@ -14,6 +14,7 @@ outliers.
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -87,6 +88,43 @@ def test_fixed_point_kernel_runs_where_the_cpu_has_it(mod, monkeypatch):
     assert mod.q4_kernel(192, 64) == mod.isa()  # rows not in 128-weight blocks
     monkeypatch.setenv("CHATML_GEMV_ISA", "float")
     assert mod.q4_kernel(1024, 64) == mod.isa()
+
+
+KERNEL_TESTS = (
+    "tests/test_native.py::test_kernel_matches_float64_reference",
+    "tests/test_native.py::test_fixed_point_kernel_runs_where_the_cpu_has_it",
+    "tests/test_native.py::test_fixed_point_error_bound",
+    "tests/test_native.py::test_4bit_rows_at_the_ends_of_the_float_range",
+    "tests/test_native.py::test_inputs_that_are_not_row_major",
+    "tests/test_dense.py::test_kernel_matches_float64_reference",
+    "tests/test_dense.py::test_matches_mlx_matmul_at_every_phase",
+    "tests/test_kernels.py::test_fused_rows_match_reference",
+    "tests/test_activations.py::test_gates_match_float64",
+    "tests/test_activations.py::test_conv_silu_matches_float64",
+)
+
+
+def test_avx2_kernels_on_any_x86_machine():
+    """What AVX2-only CPUs run (the float kernels at 8 lanes, 4 bits as "maddubs", the dense
+    GEMV's 4-row tiles) built with -march=haswell and put through the kernels' float64 checks
+    in a subprocess, so that a machine with AVX-512 (CI's) tests it too."""
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("needs an x86 CPU with AVX2 and FMA to run a -march=haswell build")
+    if native.info().isa == "avx2":
+        pytest.skip("this machine's own build is the AVX2 one: the other tests here run it")
+    env = dict(os.environ, CHATML_NATIVE_MARCH="haswell")
+    for var in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
+        env.pop(var, None)
+    probe = "import engine; from kernels import native; m = native.module(); "
+    probe += "print(m.isa() if m else native.info().reason, m and m.q4_kernel(1024, 64))"
+    run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                         timeout=900)  # fmt: skip
+    assert run.stdout.split() == ["avx2", "maddubs"], run.stdout + run.stderr[-2000:]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", *KERNEL_TESTS],
+        cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
 
 
 @pytest.mark.parametrize("gs", [32, 64, 128])
