@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from kernels.choice import MAX_STEP_T, MIN_CHUNKED_T, choose, device_kind
+from kernels.choice import MAX_FUSED_T, MAX_STEP_T, MIN_CHUNKED_T, choose, device_kind
 from kernels.triangular import unit_lower_inverse
 
 CHUNK = 64
@@ -170,10 +170,10 @@ def _resolve(method: str, q: mx.array, v: mx.array) -> str:
     _, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     device = device_kind()
-    # each asked only where it matters: prefill skips the native lookup, decode the BLAS one
+    # each asked only where it matters: long prefills skip the native lookup, decode the BLAS one
     short = T < MIN_CHUNKED_T
     fast = device != "cpu" or short or _fast_matmul()
-    native = device == "cpu" and short and _native() is not None
+    native = device == "cpu" and T < MAX_FUSED_T and _native() is not None
     return choose(device, Hk, Hv, Dk, Dv, T, fast_matmul=fast, native=native)
 
 

@@ -222,6 +222,21 @@ def test_fused_rows_match_reference(built, T, B, groups, Hk, Hv) -> None:
     assert_rows_close(inputs, groups, "step")
 
 
+@pytest.mark.parametrize("T, keep", [(16, [8]), (100, [1, 37, 64, 99]), (127, [])])
+def test_fused_prefill_segments_match_reference(built, T, keep) -> None:
+    """Short prefills take the native one-pass update on the CPU: whole, and with the states
+    at ChatML boundaries kept, against the float64 recurrence."""
+    q, k, v, g, beta, state = make_inputs(T, Hk=2, Hv=4, with_state=True, seed=T)
+    y, s, kept = gated_delta_kept(q, k, v, g, beta, state, keep, method="fused")
+    y_ref, s_ref = gated_delta_reference(q, k, v, g, beta, state)
+    wanted = [gated_delta_reference(q[:, :p], k[:, :p], v[:, :p], g[:, :p], beta[:, :p], state)[1]
+              for p in keep]  # fmt: skip
+    assert len(kept) == len(keep)
+    for got, ref in [(y, y_ref), (s, s_ref), *zip(kept, wanted)]:
+        err = np.abs(np.array(got, dtype=np.float64) - ref).max()
+        assert got.shape == ref.shape and err <= TOL * np.abs(ref).max(), err
+
+
 def test_fused_odd_head_sizes(built) -> None:
     """Dk not a multiple of the vector width (a masked tail) and Dv != Dk, heads split over
     the thread pool (a 0.8B head shape at B = 2)."""
@@ -271,17 +286,18 @@ HEADS = {"tiny": (4, 8, 32, 32), "0.8b": (16, 16, 128, 128), "9b": (16, 32, 128,
 
 @pytest.mark.parametrize("model", sorted(HEADS))
 def test_kernel_choice_per_device(model: str) -> None:
-    from kernels.choice import MIN_CHUNKED_T, MIN_CHUNKED_T_CUDA, choose
+    from kernels.choice import MAX_FUSED_T, MIN_CHUNKED_T, MIN_CHUNKED_T_CUDA, choose
 
     heads = HEADS[model]
-    for t in (1, 7, 16, 64, 512):
+    for t in (1, 7, 16, 64, 127, 128, 512):
         # CPU: decode tokens and short segments as a few broadcast ops each; chunked for
         # prefill once matmuls are fast; sequential mx.fast otherwise.
         short = t < MIN_CHUNKED_T
         assert choose("cpu", *heads, t) == ("step" if short else "chunked")
         assert choose("cpu", *heads, t, fast_matmul=False) == ("step" if short else "sequential")
-        # ... and as one native pass per state row where the native module is built.
-        assert choose("cpu", *heads, t, native=True) == ("fused" if short else "chunked")
+        # ... and as one native pass per state row where the native module is built, for
+        # decode steps and for prefills until the chunked path's setup pays off.
+        assert choose("cpu", *heads, t, native=True) == ("fused" if t < MAX_FUSED_T else "chunked")
         assert choose("cuda", *heads, t, native=True) == choose("cuda", *heads, t)
         # CUDA: mx.fast is T steps of small ops there, so prefill goes chunked.
         assert choose("cuda", *heads, t) == ("step" if t < MIN_CHUNKED_T_CUDA else "chunked")
