@@ -89,8 +89,9 @@ def native_path() -> str:
 
     got = native.info()
     if got.active:
-        q4 = native.module().q4_kernel()  # "vnni", "maddubs": 4 bits multiply in integers
-        kernels = got.isa if q4 == got.isa else f"{got.isa}, 4-bit: {q4}"
+        mod = native.module()  # "vnni", "maddubs", "maddwd": weights multiplied in integers
+        fixed = {bits: mod.kernel(bits) for bits in (8, 4)}
+        kernels = ", ".join([got.isa] + [f"{b}-bit: {k}" for b, k in fixed.items() if k != got.isa])
         return f"native ({kernels}, {got.threads} threads; {got.path})"
     return f"MLX ops (slower: {got.reason})"
 

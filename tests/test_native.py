@@ -4,9 +4,9 @@ its build/fallback reporting, and `engine.load(quantize=...)` against mlx-lm.
 Tolerance (every format): |y - ref| <= 2e-6 * (|W| @ |x|) per output, W the dequantized
 matrix in float64. The kernels accumulate in float32 (K = 512..2048 terms, partial sums per
 group and lane), so the error is bounded by a few float32 ulps of the sum of magnitudes; the
-scales and biases are used at their stored precision on both sides. The 4-bit fixed-point
-kernels (AVX-512 VNNI, AVX2) sum exact integer products of x in 24-bit fixed point per group:
-their extra error is at most 2^-23 of the group's largest |x| per element, and stays within
+scales and biases are used at their stored precision on both sides. The fixed-point kernels
+(4 bits: AVX-512 VNNI, AVX2; 8 bits: AVX2) sum exact integer products of x in 24-bit fixed
+point per group: their extra error is at most 2^-23 of the group's largest |x| per element, and stays within
 the same bound on these inputs; `test_fixed_point_error_bound` checks its own bound with
 outliers.
 """
@@ -53,7 +53,7 @@ def case(N, K, gs, bits, dtype, M=1, seed=0):
 
 @pytest.mark.parametrize("isa", ["simd", "float", "generic"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
-@pytest.mark.parametrize("bits,gs", [(8, 64), (8, 32), (4, 128), (4, 64), (4, 32)])
+@pytest.mark.parametrize("bits,gs", [(8, 128), (8, 64), (8, 32), (4, 128), (4, 64), (4, 32)])
 def test_kernel_matches_float64_reference(mod, monkeypatch, isa, dtype, bits, gs):
     if isa != "simd":  # the portable kernel (NEON and unknown CPUs), or the float SIMD one
         monkeypatch.setenv("CHATML_GEMV_ISA", isa)  # where VNNI would run, on this machine too
@@ -78,23 +78,24 @@ def cpu_flags() -> set[str]:
 
 def test_fixed_point_kernel_runs_where_the_cpu_has_it(mod, monkeypatch):
     """4 bits multiply in integers with AVX-512 VNNI ("vnni") or AVX2 ("maddubs") when rows
-    come in whole 128-weight blocks; CHATML_GEMV_ISA=float keeps the float kernel."""
-    fixed = {"avx512": "vnni" if "avx512_vnni" in cpu_flags() else None, "avx2": "maddubs"}
-    want = fixed.get(mod.isa())
-    if want is None:
-        assert mod.q4_kernel(1024, 64) == mod.isa()
-        return
-    assert mod.q4_kernel(1024, 64) == want
-    assert mod.q4_kernel(192, 64) == mod.isa()  # rows not in 128-weight blocks
+    come in whole 128-weight blocks, 8 bits with AVX2 ("maddwd"; AVX-512 reads 8-bit weights
+    at memory speed in floats); CHATML_GEMV_ISA=float keeps the float kernels."""
+    fixed4 = {"avx512": "vnni" if "avx512_vnni" in cpu_flags() else None, "avx2": "maddubs"}
+    fixed8 = {"avx2": "maddwd"}
+    isa = mod.isa()
+    assert mod.kernel(4, 1024, 64) == fixed4.get(isa, isa)
+    assert mod.kernel(8, 1024, 64) == fixed8.get(isa, isa)
+    assert mod.kernel(4, 192, 64) == isa  # rows not in 128-weight blocks
+    assert mod.kernel(8, 192, 64) == fixed8.get(isa, isa)
     monkeypatch.setenv("CHATML_GEMV_ISA", "float")
-    assert mod.q4_kernel(1024, 64) == mod.isa()
+    assert mod.kernel(4, 1024, 64) == mod.kernel(8, 1024, 64) == isa
 
 
 KERNEL_TESTS = (
     "tests/test_native.py::test_kernel_matches_float64_reference",
     "tests/test_native.py::test_fixed_point_kernel_runs_where_the_cpu_has_it",
     "tests/test_native.py::test_fixed_point_error_bound",
-    "tests/test_native.py::test_4bit_rows_at_the_ends_of_the_float_range",
+    "tests/test_native.py::test_rows_at_the_ends_of_the_float_range",
     "tests/test_native.py::test_inputs_that_are_not_row_major",
     "tests/test_dense.py::test_kernel_matches_float64_reference",
     "tests/test_dense.py::test_matches_mlx_matmul_at_every_phase",
@@ -106,7 +107,7 @@ KERNEL_TESTS = (
 
 def test_avx2_kernels_on_any_x86_machine():
     """What AVX2-only CPUs run (the float kernels at 8 lanes, 4 bits as "maddubs", the dense
-    GEMV's 4-row tiles) built with -march=haswell and put through the kernels' float64 checks
+    GEMV's 4-row tiles, 8 bits as "maddwd") built with -march=haswell and put through the kernels' float64 checks
     in a subprocess, so that a machine with AVX-512 (CI's) tests it too."""
     if not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("needs an x86 CPU with AVX2 and FMA to run a -march=haswell build")
@@ -116,10 +117,10 @@ def test_avx2_kernels_on_any_x86_machine():
     for var in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
         env.pop(var, None)
     probe = "import engine; from kernels import native; m = native.module(); "
-    probe += "print(m.isa() if m else native.info().reason, m and m.q4_kernel(1024, 64))"
+    probe += "print(m.isa() if m else native.info().reason, m and m.kernel(4), m and m.kernel(8))"
     run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
                          timeout=900)  # fmt: skip
-    assert run.stdout.split() == ["avx2", "maddubs"], run.stdout + run.stderr[-2000:]
+    assert run.stdout.split() == ["avx2", "maddubs", "maddwd"], run.stdout + run.stderr[-2000:]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", *KERNEL_TESTS],
         cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=900,
@@ -127,21 +128,22 @@ def test_avx2_kernels_on_any_x86_machine():
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("gs", [32, 64, 128])
-def test_fixed_point_error_bound(mod, gs):
+def test_fixed_point_error_bound(mod, gs, bits):
     """x with outliers (a few values 10^4 times the rest, as in real activations) and a zero
-    group: the 4-bit kernel is within float32 rounding of the float64 product of x rounded to
+    group: the fixed-point kernels are within float32 rounding of the float64 product of x rounded to
     24-bit fixed point per group, error <= 2^-23 * max_g|x| * sum|w| (+ float32 sums)."""
     N, K = 96, 1024
-    x, w, s, b = case(N, K, gs, 4, mx.bfloat16, M=2, seed=3)
+    x, w, s, b = case(N, K, gs, bits, mx.bfloat16, M=2, seed=3)
     xn = np.array(x, dtype=np.float64)
     xn[0, 5] = 3e4
     xn[1, 700] = -2e4
     xn[1, :gs] = 0.0
     x = mx.array(xn.astype(np.float32))
-    y = np.array(mod.quantized_gemv(x, w, s, b, gs, 4), dtype=np.float64)
-    ref, mag = reference(x, w, s, b, gs, 4)
-    q = unpack(w, 4)
+    y = np.array(mod.quantized_gemv(x, w, s, b, gs, bits), dtype=np.float64)
+    ref, mag = reference(x, w, s, b, gs, bits)
+    q = unpack(w, bits)
     sd = np.repeat(np.array(s.astype(mx.float32), dtype=np.float64), gs, axis=1)
     wq = np.abs(sd * q)  # the part multiplied in fixed point (the bias goes with sum(x))
     top = np.repeat(np.abs(xn).reshape(2, -1, gs).max(axis=2), gs, axis=1)
@@ -149,22 +151,23 @@ def test_fixed_point_error_bound(mod, gs):
     assert np.isfinite(y).all() and (np.abs(y - ref) <= bound).all()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("isa", ["simd", "float"])
-def test_4bit_rows_at_the_ends_of_the_float_range(mod, monkeypatch, isa):
+def test_rows_at_the_ends_of_the_float_range(mod, monkeypatch, isa, bits):
     """A row scaled by 2^-120 (whose fixed-point units 2^(e - 23) would be subnormal), one by
     10^30, a 2^-140 group in an ordinary row, and an inf: the float64 bound holds on the
     finite rows and the inf's row is not finite."""
     if isa == "float":
         monkeypatch.setenv("CHATML_GEMV_ISA", "float")
-    x, w, s, b = case(96, 1024, 64, 4, mx.bfloat16, M=4, seed=5)
+    x, w, s, b = case(96, 1024, 64, bits, mx.bfloat16, M=4, seed=5)
     xn = np.array(x, dtype=np.float64)
     xn[0] *= 2.0**-120
     xn[1] *= 1e30
     xn[2, 64:128] *= 2.0**-140
     xn[3, 3] = np.inf
     x = mx.array(xn.astype(np.float32))
-    y = np.array(mod.quantized_gemv(x, w, s, b, 64, 4), dtype=np.float64)
-    ref, mag = reference(x[:3], w, s, b, 64, 4)
+    y = np.array(mod.quantized_gemv(x, w, s, b, 64, bits), dtype=np.float64)
+    ref, mag = reference(x[:3], w, s, b, 64, bits)
     assert (np.abs(y[:3] - ref) <= REL * mag).all()
     assert not np.isfinite(y[3]).any()
 

@@ -10,12 +10,14 @@
 // rows are split over a small pool of threads. Decode is memory bound: the kernels only need
 // to turn bytes into floats faster than memory delivers them.
 //
-// 4 bits with AVX-512 VNNI (kernel "vnni") or AVX2 (kernel "maddubs") multiply in integers
-// instead: turning nibbles into floats costs more than reading them (a 4-bit row took as long
-// as an 8-bit row). Each group of x becomes 24-bit fixed point, m = round(x * 2^(23 - e))
-// with 2^e just above the group's largest |x|, held as three signed bytes (m = d0 + 256 d1 +
-// 65536 d2); `vpdpbusd` (or `vpmaddubsw` + `vpmaddwd`) then sums nibble * digit products
-// exactly in int32. The only rounding beyond float32's is that of x to the fixed point: at
+// 4 bits with AVX-512 VNNI (kernel "vnni") or AVX2 (kernel "maddubs"), and 8 bits with AVX2
+// (kernel "maddwd"), multiply in integers instead: turning nibbles into floats costs more than
+// reading them (a 4-bit row took as long as an 8-bit row), and on AVX2 so does turning bytes
+// into floats (8-bit rows at ~11 GB/s a core). Each group of x becomes 24-bit fixed point,
+// m = round(x * 2^(23 - e)) with 2^e just above the group's largest |x|, held as three signed
+// bytes (m = d0 + 256 d1 + 65536 d2; for 8 bits d0 and d1 + 256 d2 as int16); `vpdpbusd` (or
+// `vpmaddubsw` + `vpmaddwd`, or `vpmaddwd` alone) then sums weight * digit products exactly
+// in int32. The only rounding beyond float32's is that of x to the fixed point: at
 // most 2^-23 of the group's largest |x| per element (float32 rounds each x to 2^-24 of
 // itself), so the product error stays at float32's level (tests/test_native.py bounds it,
 // outliers included). Activations keep their float32 precision; this is not the 8-bit
@@ -137,59 +139,103 @@ static inline void store_digits(int8_t* at, __m256i d) {
   _mm_storel_epi64(reinterpret_cast<__m128i*>(at), _mm_packs_epi16(w, w));
 }
 
-// The even (h = 0) or odd (h = 1) elements of x[0..16), times s1 * s2 rounded to the nearest
-// integer (ties to even, as lrint), as three digits into planes 2p + h at byte j.
-static inline void fixed_digits(__m256 v, __m256 s1, __m256 s2, int8_t* block, int h, int j) {
-  __m256i m = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v, s1), s2));
+// The fixed-point exponent of one group of x: e with max|x| < 2^e (*top), with room for the
+// balanced digits; false if the group holds an inf or a nan (its products are not numbers).
+static inline bool group_exponent(const float* xg, int gs, int* e, float* top) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256 top8 = _mm256_setzero_ps(), wild = _mm256_setzero_ps();
+  for (int k = 0; k < gs; k += 8) {
+    const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + k));
+    top8 = _mm256_max_ps(top8, a);
+    wild = _mm256_or_ps(wild, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // inf or nan
+  }
+  if (_mm256_movemask_ps(wild) != 0) {
+    return false;
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top8);
+  *top = *std::max_element(lanes, lanes + 8);
+  std::frexp(*top, e);  // top < 2^e
+  // Three balanced base-256 digits reach 2^23 - 2^15 - 2^7 - 1: one more bit of headroom
+  // for the groups whose largest |x| is within 0.4% of 2^e.
+  if (*top > 0.0f && std::ldexp(*top, 23 - *e) >= 8355711.0f) {
+    ++*e;
+  }
+  return true;
+}
+
+// x * 2^(23 - e) rounded to the nearest integer (ties to even, as lrint), for 8 elements; the
+// factor goes in two exact halves: 2^(23 - e) alone overflows a float for subnormal top.
+struct FixedScale {
+  __m256 s1, s2;
+  explicit FixedScale(int e)
+      : s1(_mm256_set1_ps(std::ldexp(1.0f, (23 - e) / 2))),
+        s2(_mm256_set1_ps(std::ldexp(1.0f, (23 - e) - (23 - e) / 2))) {}
+  __m256i operator()(__m256 v) const {
+    return _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v, s1), s2));
+  }
+};
+
+// The lowest balanced base-256 digit of m, in [-128, 127].
+static inline __m256i low_digit(__m256i m) {
   const __m256i half = _mm256_set1_epi32(128), byte = _mm256_set1_epi32(255);
+  return _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(m, half), byte), half);
+}
+
+// The even (h = 0) or odd (h = 1) elements of x[0..16) in fixed point, as three digits into
+// planes 2p + h at byte j.
+static inline void fixed_digits(__m256 v, const FixedScale& scale, int8_t* block, int h, int j) {
+  __m256i m = scale(v);
   for (int p = 0; p < 3; ++p) {
-    const __m256i d = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(m, half), byte), half);
+    const __m256i d = low_digit(m);
     store_digits(block + (2 * p + h) * 64 + j, d);
     m = _mm256_srai_epi32(_mm256_sub_epi32(m, d), 8);
   }
 }
 
-// Returns the largest exponent e (max|x| < 2^e) of the row's nonzero finite groups, INT_MIN if
-// there are none.
-static int fixed_point(const float* x, int K, int gs, int8_t* planes, float* unit) {
+// Each group g of an x row in fixed point: its unit 2^(e - 23) into unit[g], then `write(g, xg,
+// scale)` stores its digits, or `clear(g)` zeroes them where the group is not finite (unit
+// nan). Returns the largest exponent e (max|x| < 2^e) of the row's nonzero finite groups,
+// INT_MIN if there are none.
+template <typename Write, typename Clear>
+static int fixed_groups(const float* x, int K, int gs, float* unit, Write write, Clear clear) {
   int row_e = std::numeric_limits<int>::min();
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   for (int g = 0; g < K / gs; ++g) {
     const float* xg = x + static_cast<size_t>(g) * gs;
-    __m256 top8 = _mm256_setzero_ps(), wild = _mm256_setzero_ps();
-    for (int k = 0; k < gs; k += 8) {
-      const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + k));
-      top8 = _mm256_max_ps(top8, a);
-      wild = _mm256_or_ps(wild, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // inf or nan
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, top8);
-    const float top = *std::max_element(lanes, lanes + 8);
-    const int at = g * gs, b = at / 128 * 128, j0 = (at - b) / 2;
-    int8_t* block = planes + static_cast<size_t>(b) * 3;
-    if (_mm256_movemask_ps(wild) != 0) {  // the group's products are not numbers either
-      unit[g] = std::numeric_limits<float>::quiet_NaN();
-      for (int plane = 0; plane < 6; ++plane) {
-        std::memset(block + plane * 64 + j0, 0, static_cast<size_t>(gs) / 2);
-      }
-      continue;
-    }
     int e = 0;
-    std::frexp(top, &e);  // top < 2^e
-    // Three balanced base-256 digits reach 2^23 - 2^15 - 2^7 - 1: one more bit of headroom
-    // for the groups whose largest |x| is within 0.4% of 2^e.
-    if (top > 0.0f && std::ldexp(top, 23 - e) >= 8355711.0f) {
-      ++e;
+    float top = 0.0f;
+    if (!group_exponent(xg, gs, &e, &top)) {
+      unit[g] = std::numeric_limits<float>::quiet_NaN();
+      clear(g);
+      continue;
     }
     unit[g] = std::ldexp(1.0f, e - 23);
     if (top > 0.0f) {
       row_e = std::max(row_e, e);
     }
-    // x * 2^(23 - e) in two exact halves: 2^(23 - e) alone overflows a float for subnormal top.
-    const int shift = 23 - e;
-    const __m256 s1 = _mm256_set1_ps(std::ldexp(1.0f, shift / 2));
-    const __m256 s2 = _mm256_set1_ps(std::ldexp(1.0f, shift - shift / 2));
+    write(g, xg, FixedScale(e));
+  }
+  return row_e;
+}
+
+// 4 bits: the planes described above.
+static int fixed_point(const float* x, int K, int gs, int8_t* planes, float* unit) {
+  const auto at = [&](int g, int* j0) {
+    const int first = g * gs, b = first / 128 * 128;
+    *j0 = (first - b) / 2;
+    return planes + static_cast<size_t>(b) * 3;
+  };
+  const auto clear = [&](int g) {
+    int j0 = 0;
+    int8_t* block = at(g, &j0);
+    for (int plane = 0; plane < 6; ++plane) {
+      std::memset(block + plane * 64 + j0, 0, static_cast<size_t>(gs) / 2);
+    }
+  };
+  const auto write = [&](int g, const float* xg, const FixedScale& scale) {
+    int j0 = 0;
+    int8_t* block = at(g, &j0);
     for (int k = 0; k < gs; k += 16) {
       const __m256 lo = _mm256_loadu_ps(xg + k), hi = _mm256_loadu_ps(xg + k + 8);
       // shuffle_ps picks within 128-bit lanes: [x0 x2 x8 x10 | x4 x6 x12 x14]; the 64-bit
@@ -198,11 +244,11 @@ static int fixed_point(const float* x, int K, int gs, int8_t* planes, float* uni
         return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0xD8));
       };
       const int j = j0 + k / 2;
-      fixed_digits(in_order(_mm256_shuffle_ps(lo, hi, 0x88)), s1, s2, block, 0, j);
-      fixed_digits(in_order(_mm256_shuffle_ps(lo, hi, 0xDD)), s1, s2, block, 1, j);
+      fixed_digits(in_order(_mm256_shuffle_ps(lo, hi, 0x88)), scale, block, 0, j);
+      fixed_digits(in_order(_mm256_shuffle_ps(lo, hi, 0xDD)), scale, block, 1, j);
     }
-  }
-  return row_e;
+  };
+  return fixed_groups(x, K, gs, unit, write, clear);
 }
 #endif
 
@@ -475,6 +521,85 @@ static inline void rows_fixed(const uint8_t* w, size_t stride, const S* scales, 
     y[r] = hsum256(total[r]) + bias_part[r];
   }
 }
+
+// 8 bits in integers (kernel "maddwd"): x in the same 24-bit fixed point, m = lo + 256 hi with
+// lo its lowest balanced digit, both as int16 (|hi| <= 32639); each 16-element block of x is
+// 16 lo then 16 hi. The float kernel turns two bytes into floats per multiply-add and is bound
+// by those instructions on AVX2 (~11 GB/s a core, under what memory gives).
+#define CHATML_Q8_FIXED 1
+constexpr const char* kFixed8Isa = "maddwd";  // vpmaddwd: 16 weight * digit products a step
+constexpr int kFixed8Rows = 1;
+
+static int fixed_point16(const float* x, int K, int gs, int16_t* planes, float* unit) {
+  const auto clear = [&](int g) {
+    std::memset(planes + static_cast<size_t>(g) * gs * 2, 0, sizeof(int16_t) * 2 * gs);
+  };
+  const auto write = [&](int g, const float* xg, const FixedScale& scale) {
+    int16_t* out = planes + static_cast<size_t>(g) * gs * 2;
+    for (int k = 0; k < gs; k += 16) {
+      const __m256i m0 = scale(_mm256_loadu_ps(xg + k)), m1 = scale(_mm256_loadu_ps(xg + k + 8));
+      const __m256i d0 = low_digit(m0), d1 = low_digit(m1);
+      const __m256i h0 = _mm256_srai_epi32(_mm256_sub_epi32(m0, d0), 8);
+      const __m256i h1 = _mm256_srai_epi32(_mm256_sub_epi32(m1, d1), 8);
+      // packs works within 128-bit lanes ([a0-3 b0-3 | a4-7 b4-7]); the permute orders them.
+      const auto packed = [](__m256i a, __m256i b) {
+        return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+      };
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * k), packed(d0, d1));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * k + 16), packed(h0, h1));
+    }
+  };
+  return fixed_groups(x, K, gs, unit, write, clear);
+}
+
+// R output rows of 8-bit weights against one x row prepared by fixed_point16: each weight
+// zero-extended to int16 meets lo and hi in vpmaddwd (pairs of products summed exactly in
+// int32: at most 2 * 255 * 32639 a pair, GS / 8 of them a lane, < 2^31 for GS <= 128).
+template <typename S, int GS, int R>
+static inline void rows_fixed8(const uint8_t* w, size_t stride, const S* scales,
+                               const S* biases, int groups_stride, const int16_t* planes,
+                               const float* unit, const float* xsum, int K, float* y) {
+  __m256 total[R];
+  float bias_part[R];
+  for (int r = 0; r < R; ++r) {
+    total[r] = _mm256_setzero_ps();
+    bias_part[r] = 0.0f;
+  }
+  prefetch_group_params<S, R>(scales, biases, groups_stride);
+  const __m256 radix = _mm256_set1_ps(256.0f);
+  for (int g = 0; g < K / GS; ++g) {
+    const int16_t* d = planes + static_cast<size_t>(g) * GS * 2;
+    __m256i lo[R], hi[R];
+    for (int r = 0; r < R; ++r) {
+      lo[r] = _mm256_setzero_si256();
+      hi[r] = _mm256_setzero_si256();
+    }
+    for (int c = 0; c < GS; c += 16) {
+      const __m256i xl = _mm256_loadu_si256((const __m256i*)(d + 2 * c));
+      const __m256i xh = _mm256_loadu_si256((const __m256i*)(d + 2 * c + 16));
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* q = w + r * stride + g * GS + c;
+        if ((g * GS + c) % 64 == 0) {
+          prefetch_l2(q + kPrefetchPasses * R * stride);
+        }
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)q));
+        lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(v, xl));
+        hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(v, xh));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 sum =
+          _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[r]), radix, _mm256_cvtepi32_ps(lo[r]));
+      const size_t at = static_cast<size_t>(r) * groups_stride + g;
+      const float scale = static_cast<float>(scales[at]) * unit[g];
+      total[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale), sum, total[r]);
+      bias_part[r] += static_cast<float>(biases[at]) * xsum[g];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    y[r] = hsum256(total[r]) + bias_part[r];
+  }
+}
 #else
 constexpr int kBlock = 32;
 constexpr const char* kIsa = "generic";
@@ -495,15 +620,22 @@ static bool use_generic() {
   return forced_isa() == "generic";
 }
 
-// The kernel a 4-bit product of row length K, group size gs takes.
-static const char* q4_kernel(int K, int gs) {
+// The kernel a product of `bits`-bit weights with row length K, group size gs takes: the
+// fixed-point one where this CPU has it (4 bits: rows in whole 128-weight blocks), else kIsa.
+static const char* kernel_for(int bits, int K, int gs) {
   const std::string forced = forced_isa();
   if (forced == "generic") {
     return "generic";
   }
+  [[maybe_unused]] const bool groups = gs == 32 || gs == 64 || gs == 128;
 #if defined(CHATML_Q4_FIXED)
-  if (forced != "float" && K % 128 == 0 && 128 % gs == 0) {
+  if (bits == 4 && forced != "float" && groups && K % 128 == 0) {
     return kFixedIsa;
+  }
+#endif
+#if defined(CHATML_Q8_FIXED)
+  if (bits == 8 && forced != "float" && groups) {
+    return kFixed8Isa;
   }
 #endif
   return kIsa;
@@ -548,11 +680,14 @@ static void split_rows(int N, size_t row_bytes, F1 one, FB block) {
 }
 
 #if defined(CHATML_Q4_FIXED)
-template <typename S, int GS>
-void gemv4_fixed(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y,
+// A fixed-point kernel's product: x prepared per row (fixed_point for 4 bits, fixed_point16 for
+// 8), then blocks of output rows over the pool.
+template <int BITS, typename S, int GS>
+void gemv_fixed(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y,
                 int M, int N, int K) {
   const int groups = K / GS;
-  std::vector<int8_t> planes(static_cast<size_t>(M) * K * 3);
+  const size_t plane_bytes = static_cast<size_t>(K) * (BITS == 4 ? 3 : 4);  // per x row
+  std::vector<int8_t> planes(static_cast<size_t>(M) * plane_bytes);
   std::vector<float> unit(static_cast<size_t>(M) * groups);
   // A row whose largest |x| is below 2^-64 would have units 2^(e - 23) near or below float's
   // smallest normal, and its products would lose their low bits or vanish: it runs scaled up
@@ -561,8 +696,14 @@ void gemv4_fixed(const float* x, const uint8_t* w, const S* scales, const S* bia
   std::vector<float> back(static_cast<size_t>(M), 1.0f);
   for (int m = 0; m < M; ++m) {
     const auto prepare = [&](const float* row) {
-      return fixed_point(row, K, GS, planes.data() + static_cast<size_t>(m) * K * 3,
-                         unit.data() + static_cast<size_t>(m) * groups);
+      int8_t* at = planes.data() + static_cast<size_t>(m) * plane_bytes;
+      float* u = unit.data() + static_cast<size_t>(m) * groups;
+#if defined(CHATML_Q8_FIXED)
+      if constexpr (BITS == 8) {
+        return fixed_point16(row, K, GS, reinterpret_cast<int16_t*>(at), u);
+      }
+#endif
+      return fixed_point(row, K, GS, at, u);
     };
     const int row_e = prepare(x + static_cast<size_t>(m) * K);
     if (row_e != std::numeric_limits<int>::min() && row_e < -64) {
@@ -582,24 +723,39 @@ void gemv4_fixed(const float* x, const uint8_t* w, const S* scales, const S* bia
     x = scaled.data();
   }
   const std::vector<float> xsum = group_sums(x, M, K, GS);
-  const size_t row_bytes = static_cast<size_t>(K) / 2;
+  const size_t row_bytes = static_cast<size_t>(K) * BITS / 8;
   auto rows = [&](auto count, int n) {
     constexpr int R = decltype(count)::value;
     float out[R];
     for (int m = 0; m < M; ++m) {
-      rows_fixed<S, GS, R>(w + n * row_bytes, row_bytes, scales + static_cast<size_t>(n) * groups,
-                          biases + static_cast<size_t>(n) * groups, groups,
-                          planes.data() + static_cast<size_t>(m) * K * 3,
-                          unit.data() + static_cast<size_t>(m) * groups,
-                          xsum.data() + static_cast<size_t>(m) * groups, K, out);
+      const uint8_t* wn = w + n * row_bytes;
+      const S* sn = scales + static_cast<size_t>(n) * groups;
+      const S* bn = biases + static_cast<size_t>(n) * groups;
+      const int8_t* xp = planes.data() + static_cast<size_t>(m) * plane_bytes;
+      const float* um = unit.data() + static_cast<size_t>(m) * groups;
+      const float* sm = xsum.data() + static_cast<size_t>(m) * groups;
+#if defined(CHATML_Q8_FIXED)
+      if constexpr (BITS == 8) {
+        const auto* x16 = reinterpret_cast<const int16_t*>(xp);
+        rows_fixed8<S, GS, R>(wn, row_bytes, sn, bn, groups, x16, um, sm, K, out);
+      } else
+#endif
+      {
+        rows_fixed<S, GS, R>(wn, row_bytes, sn, bn, groups, xp, um, sm, K, out);
+      }
       for (int r = 0; r < R; ++r) {
         y[static_cast<size_t>(m) * N + n + r] = out[r] * back[m];
       }
     }
   };
-  split_rows<kFixedRows>(
+#if defined(CHATML_Q8_FIXED)
+  constexpr int kBlockRows = BITS == 8 ? kFixed8Rows : kFixedRows;
+#else
+  constexpr int kBlockRows = kFixedRows;
+#endif
+  split_rows<kBlockRows>(
       N, row_bytes, [&](int n) { rows(std::integral_constant<int, 1>{}, n); },
-      [&](int n) { rows(std::integral_constant<int, kFixedRows>{}, n); });
+      [&](int n) { rows(std::integral_constant<int, kBlockRows>{}, n); });
 }
 #endif
 
@@ -607,13 +763,14 @@ template <int BITS, typename S>
 void gemv(const float* x, const uint8_t* w, const S* scales, const S* biases, float* y, int M,
           int N, int K, int gs) {
 #if defined(CHATML_Q4_FIXED)
-  if (BITS == 4 && std::strcmp(q4_kernel(K, gs), kFixedIsa) == 0) {
+  const char* kernel = kernel_for(BITS, K, gs);
+  if (kernel != kIsa && std::strcmp(kernel, "generic") != 0) {
     if (gs == 32) {
-      return gemv4_fixed<S, 32>(x, w, scales, biases, y, M, N, K);
+      return gemv_fixed<BITS, S, 32>(x, w, scales, biases, y, M, N, K);
     } else if (gs == 64) {
-      return gemv4_fixed<S, 64>(x, w, scales, biases, y, M, N, K);
+      return gemv_fixed<BITS, S, 64>(x, w, scales, biases, y, M, N, K);
     }
-    return gemv4_fixed<S, 128>(x, w, scales, biases, y, M, N, K);
+    return gemv_fixed<BITS, S, 128>(x, w, scales, biases, y, M, N, K);
   }
 #endif
   const int groups = K / gs;
@@ -895,9 +1052,12 @@ NB_MODULE(_chatml_qgemv, m) {
         nb::arg("group_size"), nb::arg("bits"),
         "The float32 matrix scale * q + bias (for prefill's float32 matmul).");
   m.def("isa", [] { return std::string(chatml::kIsa); }, "The instruction set compiled for.");
-  m.def("q4_kernel", [](int K, int gs) { return std::string(chatml::q4_kernel(K, gs)); },
-        nb::arg("K") = 1024, nb::arg("group_size") = 64,
-        "The kernel a 4-bit product of row length K takes: vnni, maddubs, avx512, avx2 or generic.");
+  m.def(
+      "kernel",
+      [](int bits, int K, int gs) { return std::string(chatml::kernel_for(bits, K, gs)); },
+      nb::arg("bits"), nb::arg("K") = 1024, nb::arg("group_size") = 64,
+      "The kernel a product of bits-bit weights with row length K takes: vnni or maddubs "
+      "(4 bits), maddwd (8 bits), else avx512, avx2 or generic.");
   m.def("threads", [] { return chatml::pool().size(); }, "Threads that split output rows.");
   m.def("mlx_version", [] { return std::string(MLX_VERSION_STR); },
         "The MLX version this module was compiled against.");
