@@ -103,7 +103,13 @@ def test_auto_and_sequential_match_reference(T: int) -> None:
 )
 @pytest.mark.parametrize("Hv", [2, 4])
 def test_kept_states_match_the_reference_at_each_position(T, keep, method, Hv) -> None:
-    q, k, v, g, beta, state = make_inputs(T, Hv=Hv, with_state=True, seed=T + Hv)
+    assert_kept_close(make_inputs(T, Hv=Hv, with_state=True, seed=T + Hv), keep, method)
+
+
+def assert_kept_close(inputs: list, keep: list[int], method: str) -> None:
+    """`gated_delta_kept`'s output, final state and the states at `keep` against the float64
+    recurrence run up to each of those positions."""
+    q, k, v, g, beta, state = inputs
     y, s, kept = gated_delta_kept(q, k, v, g, beta, state, keep, method=method)
     y_ref, s_ref = gated_delta_reference(q, k, v, g, beta, state)
     wanted = [gated_delta_reference(q[:, :p], k[:, :p], v[:, :p], g[:, :p], beta[:, :p], state)[1]
@@ -226,15 +232,7 @@ def test_fused_rows_match_reference(built, T, B, groups, Hk, Hv) -> None:
 def test_fused_prefill_segments_match_reference(built, T, keep) -> None:
     """Short prefills take the native one-pass update on the CPU: whole, and with the states
     at ChatML boundaries kept, against the float64 recurrence."""
-    q, k, v, g, beta, state = make_inputs(T, Hk=2, Hv=4, with_state=True, seed=T)
-    y, s, kept = gated_delta_kept(q, k, v, g, beta, state, keep, method="fused")
-    y_ref, s_ref = gated_delta_reference(q, k, v, g, beta, state)
-    wanted = [gated_delta_reference(q[:, :p], k[:, :p], v[:, :p], g[:, :p], beta[:, :p], state)[1]
-              for p in keep]  # fmt: skip
-    assert len(kept) == len(keep)
-    for got, ref in [(y, y_ref), (s, s_ref), *zip(kept, wanted)]:
-        err = np.abs(np.array(got, dtype=np.float64) - ref).max()
-        assert got.shape == ref.shape and err <= TOL * np.abs(ref).max(), err
+    assert_kept_close(make_inputs(T, Hk=2, Hv=4, with_state=True, seed=T), keep, "fused")
 
 
 def test_fused_odd_head_sizes(built) -> None:
