@@ -6,14 +6,14 @@ Run: ``chatml bench peer --model qwen3.5-0.8b [--formats f32,q8_0,q4_k_m] [--thr
 
 llama.cpp comes from PyPI, as source: the ``llama-cpp-python`` sdist vendors a llama.cpp tree
 with ``convert_hf_to_gguf.py``, ``llama-bench`` and ``llama-quantize``. It is built once under
-``CHATML_HOME/peer`` (CMake + Ninja, ``GGML_NATIVE=ON``, no curl), the checkpoint is converted
-to GGUF (``--no-mtp``: both sides decode without the MTP head) in each format asked for,
-and then ``llama-bench -p 512 -n 64`` and this engine's throughput bench (the ``chatml``
-configuration of ``bench.throughput``: prefill of a 512-token prompt, 64 decoded tokens) run
-interleaved, ``--repeats`` times each, the best kept. Each llama.cpp format is paired with the
-engine at the matching precision: F32 with float32, Q8_0 with ``quantize=8`` and Q4_K_M with
-``quantize=4`` (MLX's affine layout, group 64; the engine's activations stay float32, as
-mlx-lm's do). The ratios in the table are the engine over its pair.
+``CHATML_HOME/peer`` (CMake + Ninja, ``GGML_NATIVE=ON`` without AMX: `_no_amx`, no curl), the
+checkpoint is converted to GGUF (``--no-mtp``: both sides decode without the MTP head) in each
+format asked for, and then ``llama-bench -p 512 -n 64`` and this engine's throughput bench (the
+``chatml`` configuration of ``bench.throughput``: prefill of a 512-token prompt, 64 decoded
+tokens) run interleaved, ``--repeats`` times each, the best kept. Each llama.cpp format is
+paired with the engine at the matching precision: F32 with float32, Q8_0 with ``quantize=8``
+and Q4_K_M with ``quantize=4`` (MLX's affine layout, group 64; the engine's activations stay
+float32, as mlx-lm's do). The ratios in the table are the engine over its pair.
 
 llama.cpp picks its kernels for this CPU; so does OpenBLAS here: ``OPENBLAS_CORETYPE`` and
 ``OPENBLAS_L2_SIZE``, which some machines set to pin older kernels (Haswell's AVX2 on an
@@ -62,12 +62,31 @@ def llama_cpp(work: Path, jobs: int) -> Path:
             safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
             tar.extractall(src, members=[m for m in members if m.name], **safe)
     build = work / "build"
-    if not all((build / "bin" / t).exists() for t in TARGETS):
-        _run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja",
-              "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-              "-DBUILD_SHARED_LIBS=OFF"], stdout=subprocess.DEVNULL)  # fmt: skip
+    stamp = build / "chatml-cmake-flags"  # a build configured otherwise is reconfigured
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+             "-DBUILD_SHARED_LIBS=OFF", *_no_amx()]  # fmt: skip
+    made = stamp.exists() and stamp.read_text() == " ".join(flags)
+    if not (made and all((build / "bin" / t).exists() for t in TARGETS)):
+        _run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *flags],
+             stdout=subprocess.DEVNULL)  # fmt: skip
         _run(["ninja", "-C", str(build), f"-j{jobs}", *TARGETS])
+        stamp.write_text(" ".join(flags))
     return src
+
+
+def _no_amx() -> list[str]:
+    """Compiler flags that keep llama.cpp's AMX kernels out of a native x86 build.
+
+    `GGML_NATIVE` compiles them in wherever the CPU lists AMX, and on Xeons after Sapphire
+    Rapids (measured here: a Xeon with AVX512-FP16 and AMX) its int8 path dies with SIGILL on
+    its first `tilezero` (Q8_0 / Q4_K_M, F32 unaffected): the tile configuration is left
+    unloaded on the worker threads (llama.cpp PR #26954). Without them llama.cpp runs its
+    AVX-512 (VNNI) kernels, as on any AVX-512 CPU without AMX.
+    """
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        return []
+    off = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    return [f"-DCMAKE_C_FLAGS={off}", f"-DCMAKE_CXX_FLAGS={off}"]
 
 
 def gguf(src: Path, work: Path, ckpt: Path, fmt: str) -> Path:
