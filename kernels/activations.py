@@ -17,7 +17,7 @@ import mlx.nn as nn
 
 from . import native as _native
 
-__all__ = ["conv_silu", "mul_sigmoid", "silu_mul"]
+__all__ = ["conv_silu", "exp", "mul_sigmoid", "silu_mul"]
 
 
 def _module(native: bool, *arrays: mx.array):
@@ -25,6 +25,13 @@ def _module(native: bool, *arrays: mx.array):
     if not native or any(a.dtype != mx.float32 or a.shape != arrays[0].shape for a in arrays):
         return None
     return _native.module()
+
+
+def exp(x: mx.array, *, native: bool = False) -> mx.array:
+    """``exp(x)``: the chunked delta rule's decays (``kernels.delta_rule``). The native pass
+    gives 0 below -87.3, where MLX's gives subnormals (less than 1e-38 of the largest decay)."""
+    mod = _module(native, x)
+    return mod.exp(x) if mod is not None else mx.exp(x)
 
 
 def silu_mul(a: mx.array, b: mx.array, *, native: bool = False) -> mx.array:

@@ -50,6 +50,7 @@ def test_gates_match_float64(mod, n):
     close(activations.silu_mul(a, b, native=True), xd * sigmoid64(xd) * yd)
     close(activations.mul_sigmoid(b, a, native=True), yd * sigmoid64(xd))
     close(mod.silu(a), xd * sigmoid64(xd))
+    close(activations.exp(a, native=True), np.exp(xd))  # |x| < 88 here: no overflow
 
 
 def test_extremes(mod):
@@ -64,6 +65,10 @@ def test_extremes(mod):
     close(mod.silu(mx.array(x)), ref_silu)
     ones = mx.ones(x.shape)
     close(activations.mul_sigmoid(ones, mx.array(x), native=True), sigmoid64(xd))
+    with np.errstate(over="ignore"):
+        ref_exp = np.exp(xd)
+    ref_exp[ref_exp > np.finfo(np.float32).max] = np.inf  # float32 overflows above 88.72
+    close(activations.exp(mx.array(x), native=True), ref_exp)  # exp(-inf) = 0
 
 
 def test_views_and_inputs_left_alone(mod):

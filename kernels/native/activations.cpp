@@ -106,12 +106,20 @@ inline float exp1(float x) {  // the same math on one float: the tails of the ar
   return exp(v)[0];
 }
 
-enum class Op { kSilu, kSiluMul, kMulSigmoid };
+enum class Op { kExp, kSilu, kSiluMul, kMulSigmoid };
 
 // out[i] = f(a[i], b[i]) over [begin, end).
 void apply(Op op, const float* a, const float* b, float* out, size_t begin, size_t end) {
   size_t i = begin;
   switch (op) {
+    case Op::kExp:
+      for (; i + L <= end; i += L) {
+        store(out + i, exp(load(a + i)));
+      }
+      for (; i < end; ++i) {
+        out[i] = exp1(a[i]);
+      }
+      break;
     case Op::kSilu:
       for (; i + L <= end; i += L) {
         const vf x = load(a + i);
@@ -383,6 +391,8 @@ array causal_softmax(const array& scores) {
 }  // namespace
 
 void bind_activations(nb::module_& m) {
+  m.def("exp", [](const array& x) { return elementwise(Op::kExp, "exp", {x}); },
+        nb::arg("x"), "exp(x) (CPU, float32; 0 below -87.3).");
   m.def("silu", [](const array& x) { return elementwise(Op::kSilu, "silu", {x}); },
         nb::arg("x"), "x * sigmoid(x) (CPU, float32).");
   m.def("silu_mul",
