@@ -1,4 +1,4 @@
-"""Inverse of batched unit lower-triangular matrices: LAPACK on the CPU, matmuls elsewhere."""
+"""Inverse of batched unit lower-triangular matrices: native or LAPACK on the CPU, matmuls elsewhere."""
 
 from __future__ import annotations
 
@@ -11,13 +11,27 @@ _BASE = 16
 def unit_lower_inverse(a: mx.array, *, method: str = "auto") -> mx.array:
     """Inverse of unit lower-triangular matrices ``a: [..., n, n]``.
 
-    ``method``: "lapack" (``mx.linalg.tri_inv``, which only runs on the CPU stream),
-    "blocked" (matmul-only block forward substitution, runs on any device), or "auto"
-    (lapack when the default device is the CPU, blocked otherwise). Both are exact forward
-    substitution (no Neumann series), so they stay finite for highly correlated keys.
+    ``method``: "native" (``kernels/native/delta.cpp``: vectorized rows, subnormals flushed to
+    zero; float32 on the CPU), "lapack" (``mx.linalg.tri_inv``, which only runs on the CPU
+    stream), "blocked" (matmul-only block forward substitution, runs on any device), or "auto"
+    (on the CPU native where the module is built and the matrices are float32, else lapack;
+    blocked elsewhere). All are exact forward substitution (no Neumann series), so they stay
+    finite for highly correlated keys.
     """
     if method == "auto":
-        method = "lapack" if mx.default_device() == mx.cpu else "blocked"
+        if mx.default_device() != mx.cpu:
+            method = "blocked"
+        else:
+            method = "native" if a.dtype == mx.float32 and _native() is not None else "lapack"
+    if method == "native":
+        mod = _native()
+        if mod is None:
+            from kernels import native
+
+            raise RuntimeError(
+                f"method 'native' needs the native CPU kernels: {native.info().reason}"
+            )
+        return mod.unit_lower_inverse(a)
     if method == "lapack":
         shape = a.shape
         inv = mx.linalg.tri_inv(a.reshape(-1, *shape[-2:]), upper=False, stream=mx.cpu)
@@ -25,6 +39,12 @@ def unit_lower_inverse(a: mx.array, *, method: str = "auto") -> mx.array:
     if method == "blocked":
         return _blocked(a)
     raise ValueError(f"unknown method {method!r}")
+
+
+def _native():
+    from kernels import native
+
+    return native.module()
 
 
 def _blocked(a: mx.array) -> mx.array:

@@ -153,7 +153,7 @@ def test_bfloat16_inputs_return_bfloat16() -> None:
     assert np.abs(np.array(s) - s_ref).max() <= TOL * np.abs(s_ref).max()
 
 
-@pytest.mark.parametrize("inverse", ["lapack", "blocked"])
+@pytest.mark.parametrize("inverse", ["native", "lapack", "blocked"])
 def test_correlated_keys_stay_finite(inverse: str) -> None:
     # Nearly identical keys and beta ~ 1 make I + A badly conditioned for series inverses.
     rng = np.random.default_rng(3)
@@ -172,14 +172,26 @@ def test_correlated_keys_stay_finite(inverse: str) -> None:
     assert np.abs(np.array(y) - y_ref).max() <= 1e-3 * np.abs(y_ref).max()
 
 
-@pytest.mark.parametrize("n", [5, 16, 64])
-def test_unit_lower_inverse_methods_agree(n: int) -> None:
+@pytest.mark.parametrize("n", [5, 16, 17, 64, 100])
+@pytest.mark.parametrize("scale", [0.3, 1e-20])  # 1e-20: products below float32's normals
+def test_unit_lower_inverse_methods_agree(n: int, scale: float) -> None:
     rng = np.random.default_rng(n)
-    a = np.tril(rng.standard_normal((3, n, n)) * 0.3, -1) + np.eye(n)
+    a = np.tril(rng.standard_normal((3, n, n)) * scale, -1) + np.eye(n)
     ref = np.linalg.inv(a)
-    for method in ("lapack", "blocked"):
-        inv = np.array(unit_lower_inverse(mx.array(a.astype(np.float32)), method=method))
+    # The upper triangle is never read (the chunked rule masks it; here it holds noise).
+    noisy = (a + np.triu(rng.standard_normal((3, n, n)), 1)).astype(np.float32)
+    for method in ("native", "lapack", "blocked"):
+        given = noisy if method == "native" else a.astype(np.float32)
+        inv = np.array(unit_lower_inverse(mx.array(given), method=method))
         assert np.abs(inv - ref).max() <= 1e-4 * np.abs(ref).max(), method
+        assert (np.triu(inv, 1) == 0).all() and (np.diagonal(inv, axis1=1, axis2=2) == 1).all()
+
+
+def test_unit_lower_inverse_native_refuses_what_it_cannot_invert() -> None:
+    with pytest.raises(ValueError, match=r"float32 matrices \[\.\.\., n, n\]"):
+        unit_lower_inverse(mx.zeros((2, 3, 4)), method="native")
+    with pytest.raises(ValueError, match="float32"):
+        unit_lower_inverse(mx.eye(4, dtype=mx.bfloat16), method="native")
 
 
 def test_rejects_bad_head_ratio() -> None:

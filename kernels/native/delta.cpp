@@ -192,6 +192,91 @@ class GatedDeltaRows : public Primitive {
   std::vector<int> rows_;  // rows (leading size) of each state
 };
 
+// The chunked delta rule's (I + A)^-1 for a stack of unit lower-triangular matrices [..., n, n]
+// (kernels/triangular.py): forward substitution by rows, X[i] = e_i - sum_{j<i} A[i, j] X[j],
+// each row of X a few vectors (only the columns <= j of X[j] are nonzero). Only the strictly
+// lower triangle of A is read; X has ones on its diagonal and zeros above it. Matrices split
+// over the pool.
+//
+// LAPACK's strtri (MLX's tri_inv, on the reference BLAS that MLX's wheel ships) makes one
+// strmv call per column, scalar: 7x slower on the 0.8B's shapes (BENCHMARKS.md).
+void unit_lower_inverse_one(const float* a, float* x, int n, int ldx, float* out) {
+  std::fill(x, x + static_cast<size_t>(n) * ldx, 0.0f);
+  for (int i = 0; i < n; ++i) {
+    float* xi = x + static_cast<size_t>(i) * ldx;
+    xi[i] = 1.0f;
+    const int used = i / L + 1;  // vectors of row i holding columns <= i
+    vf acc[64];  // n <= 64 * L
+    for (int v = 0; v < used; ++v) {
+      acc[v] = load(xi + v * L);
+    }
+    const float* ai = a + static_cast<size_t>(i) * n;
+    for (int j = 0; j < i; ++j) {
+      const float aij = ai[j];
+      if (aij == 0.0f) {
+        continue;
+      }
+      const float* xj = x + static_cast<size_t>(j) * ldx;
+      const vf s = vf{} + aij;
+      for (int v = 0; v <= j / L; ++v) {
+        acc[v] -= s * load(xj + v * L);
+      }
+    }
+    for (int v = 0; v < used; ++v) {
+      store(xi + v * L, acc[v]);
+    }
+  }
+  for (int i = 0; i < n; ++i) {
+    std::memcpy(out + static_cast<size_t>(i) * n, x + static_cast<size_t>(i) * ldx,
+                sizeof(float) * n);
+  }
+}
+
+class UnitLowerInverse : public Primitive {
+ public:
+  explicit UnitLowerInverse(Stream stream) : Primitive(stream) {}
+
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    auto& encoder = cpu::get_command_encoder(stream());
+    encoder.set_input_array(inputs[0]);
+    const array a = row_major(inputs[0], encoder);
+    array& out = outputs[0];
+    out.set_data(allocator::malloc(out.nbytes()));
+    encoder.set_output_array(out);
+    const int n = a.shape(-1);
+    const size_t count = n ? a.size() / (static_cast<size_t>(n) * n) : 0;
+    encoder.dispatch([pa = a.data<float>(), po = out.data<float>(), n, count]() {
+      const int ldx = (n + L - 1) / L * L;
+      const int parts = static_cast<int>(std::min<size_t>(pool().size(), count));
+      pool().run(
+          [&](int part, int parts) {
+            std::vector<float> x(static_cast<size_t>(n) * ldx + L);
+            for (size_t m = count * part / parts; m < count * (part + 1) / parts; ++m) {
+              const size_t at = m * n * n;
+              unit_lower_inverse_one(pa + at, x.data(), n, ldx, po + at);
+            }
+          },
+          std::max(parts, 1));
+    });
+  }
+
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("[chatml.unit_lower_inverse] runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "ChatmlUnitLowerInverse";
+  }
+
+  bool is_equivalent(const Primitive&) const override {
+    return true;
+  }
+
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
 void check(bool ok, const std::string& what) {
   if (!ok) {
     throw std::invalid_argument("[chatml.gated_delta_rows] " + what);
@@ -260,6 +345,17 @@ std::vector<array> gated_delta_rows(const array& q, const array& k, const array&
                             inputs);
 }
 
+array unit_lower_inverse(const array& a) {
+  if (a.dtype() != float32 || a.ndim() < 2 || a.shape(-1) != a.shape(-2) ||
+      a.shape(-1) > 64 * L) {
+    throw std::invalid_argument(
+        "[chatml.unit_lower_inverse] takes float32 matrices [..., n, n] with n <= " +
+        std::to_string(64 * L) + ", got " + dims(a) + " " + (a.dtype() == float32 ? "" : "(not float32)"));
+  }
+  return array(a.shape(), float32, std::make_shared<UnitLowerInverse>(default_stream(Device::cpu)),
+               {a});
+}
+
 }  // namespace
 
 void bind_delta(nb::module_& m) {
@@ -267,6 +363,9 @@ void bind_delta(nb::module_& m) {
         nb::arg("g"), nb::arg("beta"), nb::arg("states"),
         "The gated delta rule for T tokens of B rows, one pass over each state row (CPU, "
         "float32): [y, *states after].");
+  m.def("unit_lower_inverse", &unit_lower_inverse, nb::arg("a"),
+        "Inverse of unit lower-triangular matrices [..., n, n] by forward substitution (CPU, "
+        "float32; reads the strict lower triangle).");
 }
 
 }  // namespace chatml
