@@ -101,14 +101,22 @@ def _chatml(path: str, chunked: bool, quantize: int | None = None):
     eng = engine.load(path, chunked_delta=chunked, quantize=quantize)
     mx.eval(eng.model.parameters())
 
-    def run_prefill(ids: list[int]) -> float:
+    # Both run on the engine's model thread, as every turn of a user's does (its floating-point
+    # mode included: kernels/subnormals.py).
+    def prefill_s(ids: list[int]) -> float:
         caches = eng.model.make_caches()
         t = time.perf_counter()
         logits, _ = prefill(eng.model, caches, ids, 0)
         mx.eval(mx.argmax(logits))
         return time.perf_counter() - t
 
+    def run_prefill(ids: list[int]) -> float:
+        return eng.worker.call(prefill_s, ids)
+
     def run_decode(ids: list[int], n: int) -> tuple[int, float]:
+        return eng.worker.call(decode_s, ids, n)
+
+    def decode_s(ids: list[int], n: int) -> tuple[int, float]:
         caches = eng.model.make_caches()
         logits, _ = prefill(eng.model, caches, ids, 0)
         first = None

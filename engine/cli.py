@@ -171,7 +171,7 @@ def _doctor(args) -> int:
 
     import mlx.core as mx
 
-    from kernels import blas, heap
+    from kernels import blas, heap, subnormals
     from kernels.choice import device_kind
 
     from .engine import backend
@@ -196,6 +196,7 @@ def _doctor(args) -> int:
         "blas_core": blas.core(),  # OpenBLAS's kernel set; OPENBLAS_CORETYPE may pin an older one
         "blas_note": info.reason,
         "malloc": heap.info(),  # glibc thresholds pinned so step buffers are not refaulted
+        "subnormals": subnormals.info(),  # flushed to zero on the engine's threads (x86)
         "float32_matmul": float32_matmul(device_kind()),
         "quantized_cpu_path": native_path(),
         "float32_batch_path": dense_path(),

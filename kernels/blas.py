@@ -100,7 +100,10 @@ def _dlopen_bytes(data: bytes, name: str) -> ctypes.CDLL:
 
 
 def _load(path: str, provider: str) -> BlasInfo:
-    lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    from kernels import subnormals
+
+    with subnormals.flushing():  # OpenBLAS starts its threads now: they keep FTZ/DAZ
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     _handles.append(lib)
     if not hasattr(lib, "cblas_sgemm"):
         if not hasattr(lib, _PREFIX + "cblas_sgemm"):

@@ -11,12 +11,12 @@ _BASE = 16
 def unit_lower_inverse(a: mx.array, *, method: str = "auto") -> mx.array:
     """Inverse of unit lower-triangular matrices ``a: [..., n, n]``.
 
-    ``method``: "native" (``kernels/native/delta.cpp``: vectorized rows, subnormals flushed to
-    zero; float32 on the CPU), "lapack" (``mx.linalg.tri_inv``, which only runs on the CPU
-    stream), "blocked" (matmul-only block forward substitution, runs on any device), or "auto"
-    (on the CPU native where the module is built and the matrices are float32, else lapack;
-    blocked elsewhere). All are exact forward substitution (no Neumann series), so they stay
-    finite for highly correlated keys.
+    ``method``: "native" (``kernels/native/delta.cpp``: vectorized rows; float32 on the CPU),
+    "lapack" (``mx.linalg.tri_inv``, which only runs on the CPU stream), "blocked" (matmul-only
+    block forward substitution, runs on any device), or "auto" (on the CPU native where the
+    module is built and the matrices are float32, else lapack; blocked elsewhere). All are
+    exact forward substitution (no Neumann series), so they stay finite for highly correlated
+    keys.
     """
     if method == "auto":
         if mx.default_device() != mx.cpu:

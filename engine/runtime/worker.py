@@ -35,6 +35,8 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 
+from kernels import subnormals
+
 DEFAULT_MAX_TASKS = 8  # generations interleaved at once (the batch width they can reach)
 # Items a task may hand over in one turn before the others get theirs: a token brings at most
 # a few (its text, logprobs, the first-token notice); a generator that yields items without
@@ -226,6 +228,9 @@ class ModelThread:
             self._thread.join(timeout)
 
     def _loop(self) -> None:
+        # Before the first MLX call: the stream thread MLX starts for this thread, which runs its
+        # CPU ops, copies this thread's floating-point mode (kernels/subnormals.py).
+        subnormals.flush_on_this_thread()
         try:
             self._serve()
         finally:

@@ -17,6 +17,25 @@
 
 namespace chatml {
 
+// The thread's floating-point mode where one matters: MXCSR on x86, whose FTZ and DAZ bits say
+// whether subnormals are flushed to zero (kernels/subnormals.py sets them on the engine's
+// threads). Workers run each job in its caller's mode, whichever thread started the pool.
+inline unsigned fp_mode() {
+#if defined(__x86_64__) || defined(_M_X64)
+  return _mm_getcsr() & ~0x3Fu;  // less the exception flags, which the work itself sets
+#else
+  return 0;
+#endif
+}
+
+inline void set_fp_mode(unsigned mode) {
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_setcsr((_mm_getcsr() & 0x3Fu) | mode);
+#else
+  (void)mode;
+#endif
+}
+
 // Workers spin briefly after each job (a decode step issues hundreds of small GEMVs back to
 // back), then sleep on a condition variable so an idle engine costs no CPU.
 //
@@ -61,6 +80,7 @@ class Pool {
       generation = static_cast<uint32_t>(generation_.load() + 1);
       job_ = &job;
       parts_ = parts;
+      mode_ = fp_mode();
       done_.store(0);
       claim_.store(pack(generation, 0), std::memory_order_release);
       generation_.store(generation, std::memory_order_release);
@@ -109,6 +129,7 @@ class Pool {
       }
       const std::function<void(int, int)>* job;
       int parts;
+      unsigned mode;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         if (now == seen) {
@@ -120,8 +141,12 @@ class Pool {
         now = generation_.load();
         job = job_;
         parts = parts_;
+        mode = mode_;
       }
       seen = now;
+      if (mode != fp_mode()) {
+        set_fp_mode(mode);  // the job's floating-point mode is its caller's
+      }
       if (int ran = work(*job, parts, now)) {
         done_.fetch_add(ran, std::memory_order_acq_rel);
       }
@@ -137,6 +162,7 @@ class Pool {
   std::atomic<int> done_{0};        // parts the workers have finished
   const std::function<void(int, int)>* job_ = nullptr;
   int parts_ = 0;
+  unsigned mode_ = 0;  // the caller's fp_mode() for job_
   bool stop_ = false;
 };
 
