@@ -250,7 +250,7 @@ class UnitLowerInverse : public Primitive {
       const int parts = static_cast<int>(std::min<size_t>(pool().size(), count));
       pool().run(
           [&](int part, int parts) {
-            std::vector<float> x(static_cast<size_t>(n) * ldx + L);
+            std::vector<float> x(static_cast<size_t>(n) * ldx);
             for (size_t m = count * part / parts; m < count * (part + 1) / parts; ++m) {
               const size_t at = m * n * n;
               unit_lower_inverse_one(pa + at, x.data(), n, ldx, po + at);
@@ -350,10 +350,11 @@ array unit_lower_inverse(const array& a) {
       a.shape(-1) > 64 * L) {
     throw std::invalid_argument(
         "[chatml.unit_lower_inverse] takes float32 matrices [..., n, n] with n <= " +
-        std::to_string(64 * L) + ", got " + dims(a) + " " + (a.dtype() == float32 ? "" : "(not float32)"));
+        std::to_string(64 * L) + ", got " + dims(a) +
+        (a.dtype() == float32 ? "" : " (not float32)"));
   }
-  return array(a.shape(), float32, std::make_shared<UnitLowerInverse>(default_stream(Device::cpu)),
-               {a});
+  Stream s = default_stream(Device::cpu);
+  return array(a.shape(), float32, std::make_shared<UnitLowerInverse>(s), {a});
 }
 
 }  // namespace
