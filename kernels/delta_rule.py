@@ -186,11 +186,9 @@ def _native():
 
 def _fused(q, k, v, g, beta, states: list[mx.array]) -> tuple[mx.array, list[mx.array]]:
     """The native kernel; float32 inside, y in q's dtype."""
-    mod = _native()
-    if mod is None:
-        from kernels import native
+    from kernels import native
 
-        raise RuntimeError(f"method 'fused' needs the native CPU kernels: {native.info().reason}")
+    mod = native.required("method 'fused'")
     f32 = mx.float32
     inputs = (x.astype(f32) for x in (q, k, v, g, beta))
     y, *states = mod.gated_delta_rows(*inputs, [s.astype(f32) for s in states])

@@ -256,6 +256,14 @@ def module() -> ModuleType | None:
         return _module
 
 
+def required(what: str) -> ModuleType:
+    """The native module for `what` (e.g. "method 'fused'"), or RuntimeError saying why not."""
+    mod = module()
+    if mod is None:
+        raise RuntimeError(f"{what} needs the native CPU kernels: {_info.reason}")
+    return mod
+
+
 def info() -> NativeInfo:
     """Which path runs (loads or builds the module on first call, like `module()`)."""
     module()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from kernels import native
+
 # Below this size the blocked inverse switches to row-by-row forward substitution.
 _BASE = 16
 
@@ -22,16 +24,9 @@ def unit_lower_inverse(a: mx.array, *, method: str = "auto") -> mx.array:
         if mx.default_device() != mx.cpu:
             method = "blocked"
         else:
-            method = "native" if a.dtype == mx.float32 and _native() is not None else "lapack"
+            method = "native" if a.dtype == mx.float32 and native.module() is not None else "lapack"
     if method == "native":
-        mod = _native()
-        if mod is None:
-            from kernels import native
-
-            raise RuntimeError(
-                f"method 'native' needs the native CPU kernels: {native.info().reason}"
-            )
-        return mod.unit_lower_inverse(a)
+        return native.required("method 'native'").unit_lower_inverse(a)
     if method == "lapack":
         shape = a.shape
         inv = mx.linalg.tri_inv(a.reshape(-1, *shape[-2:]), upper=False, stream=mx.cpu)
@@ -39,12 +34,6 @@ def unit_lower_inverse(a: mx.array, *, method: str = "auto") -> mx.array:
     if method == "blocked":
         return _blocked(a)
     raise ValueError(f"unknown method {method!r}")
-
-
-def _native():
-    from kernels import native
-
-    return native.module()
 
 
 def _blocked(a: mx.array) -> mx.array:

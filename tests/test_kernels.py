@@ -187,6 +187,20 @@ def test_unit_lower_inverse_methods_agree(n: int, scale: float) -> None:
         assert (np.triu(inv, 1) == 0).all() and (np.diagonal(inv, axis1=1, axis2=2) == 1).all()
 
 
+def test_native_methods_say_why_without_the_module(monkeypatch) -> None:
+    monkeypatch.setenv("CHATML_NATIVE", "0")
+    native.reset()
+    try:
+        with pytest.raises(RuntimeError, match="method 'native' needs the native CPU kernels"):
+            unit_lower_inverse(mx.eye(4), method="native")
+        assert np.allclose(np.array(unit_lower_inverse(mx.eye(4))), np.eye(4))  # auto: lapack
+        with pytest.raises(RuntimeError, match="method 'fused' needs the native CPU kernels"):
+            gated_delta(*make_inputs(4), method="fused")
+    finally:
+        monkeypatch.undo()
+        native.reset()
+
+
 def test_unit_lower_inverse_native_refuses_what_it_cannot_invert() -> None:
     with pytest.raises(ValueError, match=r"float32 matrices \[\.\.\., n, n\]"):
         unit_lower_inverse(mx.zeros((2, 3, 4)), method="native")
