@@ -142,6 +142,77 @@ def test_a_batched_step_hands_the_fused_kernel_each_rows_own_state(monkeypatch):
     assert calls == [3] * linear  # one call per layer, three states in each
 
 
+def _ids(n: int, seed: int) -> list[int]:
+    return [(31 * seed + 7 * j) % 3000 + 100 for j in range(n)]
+
+
+def test_a_packed_step_of_prefill_chunks_and_decode_rows_equals_each_row_alone(eng):
+    """Rows of any length in one pass (`model.packed`): a fresh prefill with snapshots inside
+    it, a short one, a decode step, a chunk without logits. Reference: each row alone."""
+    model = eng.model
+    packed, alone = [model.make_caches() for _ in range(4)], [model.make_caches() for _ in range(4)]
+    for caches in (packed, alone):
+        prefill(model, caches[2], _ids(50, 3), 0)
+        prefill(model, caches[3], _ids(20, 4), 0)
+
+    def rows(c):
+        return [Row(c[0], _ids(30, 1), logits=2, keep=[5, 17]), Row(c[1], _ids(7, 2)),
+                Row(c[2], [11]), Row(c[3], _ids(64, 5), logits=0, keep=[1])]  # fmt: skip
+
+    together = forward(model, rows(packed))
+    singles = [forward(model, [row])[0] for row in rows(alone)]
+    for (lp, mp), (ls, ms), want in zip(together, singles, (2, 1, 1, 0)):
+        if want:
+            assert lp.shape == ls.shape == (want, model.arch.vocab_size)
+            assert mx.abs(lp - ls).max().item() < 1e-4
+        else:
+            assert lp is None and ls is None
+        assert (mp.start, mp.end) == (ms.start, ms.end) and sorted(mp.kept) == sorted(ms.kept)
+        for pos in mp.kept:
+            for a, b in zip(mp.kept[pos], ms.kept[pos]):
+                if a is not None:  # Gated DeltaNet layers: conv tail and state
+                    assert all(mx.abs(x - y).max().item() < 1e-4 for x, y in zip(a[:2], b[:2]))
+    for cp, ca in zip(packed, alone):  # and the rows go on from the same place
+        assert [c.offset for c in cp] == [c.offset for c in ca]
+        ((lp, _),) = forward(model, [Row(cp, [42])])
+        ((la, _),) = forward(model, [Row(ca, [42])])
+        assert mx.abs(lp - la).max().item() < 1e-4
+
+
+def test_a_failed_packed_step_leaves_every_row_where_it_was(eng, monkeypatch):
+    model = eng.model
+    rows = [model.make_caches(), model.make_caches()]
+    prefill(model, rows[1], _ids(9, 6), 0)
+    last = model.layers[-1]
+
+    def broken(*args):
+        raise RuntimeError("broken layer")
+
+    monkeypatch.setattr(last, "packed", broken)
+    with pytest.raises(RuntimeError, match="broken layer"):
+        forward(model, [Row(rows[0], _ids(12, 7), keep=[4]), Row(rows[1], [3])])
+    monkeypatch.undo()
+    assert [c.offset for c in rows[0]] == [0] * len(rows[0])
+    assert [c.offset for c in rows[1]] == [9] * len(rows[1])
+    assert all(not c.capture for c in rows[0] if hasattr(c, "capture"))
+
+
+def test_concurrent_prefills_run_packed_in_shared_passes(eng, monkeypatch):
+    """Requests that arrive together prefill in the same passes (their chunks packed), not
+    one after another; each still answers as alone."""
+    spans, packed = [], type(eng.model).packed
+    monkeypatch.setattr(type(eng.model), "packed",
+                        lambda self, ids, s, c: spans.append(list(s)) or packed(self, ids, s, c))  # fmt: skip
+    held = Held(eng)
+    requests = [Request(eng, messages(60 + i)) for i in range(3)]
+    held.release()
+    turns = [r.turn() for r in requests]
+    monkeypatch.undo()
+    assert any(sum(e - s > 1 for s, e in step) >= 2 for step in spans)  # prefills shared a pass
+    for turn in turns:
+        check_alone(eng, turn)
+
+
 # ----- concurrent requests -----------------------------------------------------------------
 
 

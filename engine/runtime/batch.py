@@ -100,12 +100,15 @@ class Batch:
             raise ValueError("this batch steps another model")
         steps = decode_steps(caches, logits, sampler, **options)
         try:
-            yield from self._serve(steps)
+            yield from self.serve(steps)
         finally:
             own_buffers(caches)
             settle(caches, sampler)
 
-    def _serve(self, steps: Generator) -> Iterator:
+    def serve(self, steps: Generator) -> Generator:
+        """Run a step coroutine (`generate.decode_steps`, `generate.prefill_steps`) with its
+        passes in this batch's steps: yields its other items, and `WAIT` while its row waits
+        for a step; returns what it returns. Closing it rolls back a step it was not given."""
         ticket = None
         try:
             item = next(steps)
@@ -123,8 +126,8 @@ class Batch:
                 else:
                     yield item
                     item = next(steps)
-        except StopIteration:
-            return
+        except StopIteration as done:
+            return done.value
         finally:
             if ticket is not None:  # closed while its row waited for, or had, a step
                 if ticket.result is None:

@@ -48,8 +48,13 @@ def prefill(model: Qwen35, caches: list, ids: Sequence[int], start: int, **optio
             return done.value
 
 
-def prefill_chunks(
-    model: Qwen35,
+def prefill_chunks(model: Qwen35, caches: list, ids: Sequence[int], start: int, **options
+                   ) -> Generator[int, None, tuple[mx.array | None, int]]:  # fmt: skip
+    """`prefill_steps` with each chunk's pass run at once, alone: yields the positions."""
+    return (yield from run_steps(model, prefill_steps(caches, ids, start, **options)))
+
+
+def prefill_steps(
     caches: list,
     ids: Sequence[int],
     start: int,
@@ -59,10 +64,12 @@ def prefill_chunks(
     logits: bool = True,
     cancelled: Callable[[], bool] | None = None,
     chunk: int | Callable[[], int] = PREFILL_CHUNK,
-) -> Generator[int, None, tuple[mx.array | None, int]]:
+) -> Generator[Row | int, tuple, tuple[mx.array | None, int]]:
     """Feed `ids[start:]`; call `on_stop(pos, layers)` after reaching each position in `stops`.
 
-    Yields the position reached after each chunk but the last, so a caller can let other work
+    A coroutine as `decode_steps` is: it yields a `Row` per chunk (and is sent back the row's
+    `(logits, Mark)`: whoever runs it serves the pass, alone or packed with other rows), and
+    yields the position reached after each chunk but the last, so a caller can let other work
     run between chunks (`chunk` may be a function: the size is decided before each chunk).
     `layers` is the per-layer state kept at `pos` inside a chunk (None: `pos` is the chunk's
     end, the live state). `cancelled()` is checked before each chunk: background work stops
@@ -79,8 +86,8 @@ def prefill_chunks(
         end = min(len(ids), pos + (chunk() if callable(chunk) else chunk))
         inside = sorted(s for s in stops if pos < s <= end)
         last = end == len(ids) and logits
-        row = Row(caches, ids[pos:end], logits=int(last), keep=[s - pos for s in inside])
-        ((step_logits, mark),) = forward(model, [row])
+        step_logits, mark = yield Row(caches, ids[pos:end], logits=int(last),
+                                      keep=[s - pos for s in inside])  # fmt: skip
         if last:
             out = step_logits[-1]
         eval_caches(caches, list(mark.kept.values()), [] if out is None else out)
@@ -132,8 +139,9 @@ def decode(
         settle(caches, sampler)
 
 
-def run_steps(model, steps: Generator) -> Iterator[int]:
-    """Serve a `decode_steps` loop's step requests at once, yielding its tokens."""
+def run_steps(model, steps: Generator) -> Generator:
+    """Serve a step coroutine's (`decode_steps`, `prefill_steps`) passes at once, alone,
+    yielding its other items (tokens, positions); returns what it returns."""
     with contextlib.closing(steps):
         try:
             item = next(steps)
@@ -143,8 +151,8 @@ def run_steps(model, steps: Generator) -> Iterator[int]:
                 else:
                     yield item  # a consumer that stops here closes `steps` at its token
                     item = next(steps)
-        except StopIteration:
-            return
+        except StopIteration as done:
+            return done.value
 
 
 def settle(caches: list, sampler) -> None:

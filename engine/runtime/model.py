@@ -80,8 +80,21 @@ class GatedDeltaNet(nn.Module):
         return [self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)]
 
     def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
-        B, T, _ = x.shape
-        qkv = self.in_proj_qkv(x)  # [B, T, C]
+        return self.packed(x, [(0, x.shape[1])], [cache])
+
+    def packed(self, x: mx.array, spans: list[tuple[int, int]], caches: list) -> mx.array:
+        """Several rows' tokens packed along T (`x [B, T, H]`, row i at `x[:, s_i:e_i]` with
+        its own cache `caches[i]`): the projections run once over all of them, the conv and
+        the delta rule per row."""
+        products = (self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x))
+        ys = [self._mix(*(p[:, s:e] for p in products), c) for (s, e), c in zip(spans, caches)]
+        return self.out_proj(ys[0] if len(ys) == 1 else mx.concatenate(ys, axis=1))
+
+    def _mix(self, qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
+             cache: RecurrentCache) -> mx.array:  # fmt: skip
+        """The conv and the gated delta rule over one row's projections (`[B, T, *]`) from its
+        cache: the gated output `[B, T, Hv*Dv]`, before `out_proj`."""
+        B, T, _ = qkv.shape
         if cache.conv is None:
             tail = mx.zeros((B, self.kernel - 1, qkv.shape[-1]), dtype=qkv.dtype)
         else:
@@ -100,8 +113,7 @@ class GatedDeltaNet(nn.Module):
         k = inv * mx.fast.rms_norm(k, None, 1e-6 * inv * inv)
 
         # g in float32 from a softplus in the compute dtype, rounded where mlx-lm rounds it.
-        a = self.in_proj_a(x)
-        beta = mx.sigmoid(self.in_proj_b(x))  # [B, T, Hv]
+        beta = mx.sigmoid(b)  # [B, T, Hv]
         f32 = mx.float32
         g = mx.exp(-mx.exp(self.A_log.astype(f32)) * nn.softplus(a + self.dt_bias))  # [B, T, Hv]
 
@@ -117,10 +129,10 @@ class GatedDeltaNet(nn.Module):
             cache.record(cut, _tail(window, cut, self.kernel - 1), at)
         cache.update(_tail(window, T, self.kernel - 1), state, T)
 
-        z = self.in_proj_z(x).reshape(B, T, self.hv, self.dv)
+        z = z.reshape(B, T, self.hv, self.dv)
         y = _rms_norm(y, self.norm.weight, self.eps)
-        y = silu_mul(z.astype(f32), y.astype(f32), native=native).astype(x.dtype)
-        return self.out_proj(y.reshape(B, T, -1))
+        y = silu_mul(z.astype(f32), y.astype(f32), native=native).astype(qkv.dtype)
+        return y.reshape(B, T, -1)
 
     def decode(self, x: mx.array, tail: mx.array, states: list[mx.array]):
         """One token `x [B, H]` (2-D: matmuls need no reshapes) from the conv tail `[B, K-1, C]`
@@ -193,17 +205,32 @@ class Attention(nn.Module):
         self.joined = None  # q, k and v as one product in decode (runtime.fused)
 
     def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
-        q, k, v, gate = self.project(x, cache.offset)
-        return self.output(self.attend(q, k, v, cache), gate)
+        return self.packed(x, [(0, x.shape[1])], [cache])
+
+    def packed(self, x: mx.array, spans: list[tuple[int, int]], caches: list) -> mx.array:
+        """Several rows' tokens packed along T (`x [1, T, H]`, row i at `x[:, s_i:e_i]` with
+        its own KV cache `caches[i]`): the projections run once over all of them, attention
+        per row over that row's cache."""
+        products = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        ys, gates = [], []
+        for (s, e), c in zip(spans, caches):
+            q, k, v, gate = self.heads(*(p[:, s:e] for p in products), c.offset)
+            ys.append(self.attend(q, k, v, c))
+            gates.append(gate)
+        if len(ys) == 1:
+            return self.output(ys[0], gates[0])
+        return self.output(mx.concatenate(ys, axis=1), mx.concatenate(gates, axis=1))
 
     def project(self, x: mx.array, offset: int | mx.array):
         """q `[B, Hq, T, D]`, k and v `[B, Hkv, T, D]` at positions from `offset`, and the
         output gate `[B, T, Hq*D]`, from x `[B, T, H]` or, for one token, `[B, H]`."""
-        B, T = x.shape[0], x.shape[1] if x.ndim == 3 else 1
         if x.ndim == 2 and self.joined is not None:
-            q, k, v = self.joined(x)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            return self.heads(*self.joined(x), offset)
+        return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), offset)
+
+    def heads(self, q: mx.array, k: mx.array, v: mx.array, offset: int | mx.array):
+        """`project` from the products: q (with the gate), k and v `[B, T, *]` or `[B, *]`."""
+        B, T = q.shape[0], q.shape[1] if q.ndim == 3 else 1
         q, gate = mx.split(q.reshape(B, T, self.nq, 2 * self.d), 2, axis=-1)
         q = self.q_norm(q).transpose(0, 2, 1, 3)  # [B, Hq, T, D]
         k = self.k_norm(k.reshape(B, T, self.nkv, self.d)).transpose(0, 2, 1, 3)
@@ -309,8 +336,15 @@ class DecoderLayer(nn.Module):
     def __call__(self, x: mx.array, cache) -> mx.array:
         if x.shape[1] == 1 and cache.offset and not getattr(cache, "capture", None):
             return self._decode(x, cache)
+        return self.packed(x, [(0, x.shape[1])], [cache])
+
+    def packed(self, x: mx.array, spans: list[tuple[int, int]], caches: list) -> mx.array:
+        """Rows packed along T (`x [1, T, H]`, row i at `x[:, s_i:e_i]`, its cache `caches[i]`):
+        every product (the mixer's projections, the MLP) runs once over all the rows' tokens,
+        which reads the weights once and gives the matmul its best shape; the conv, the delta
+        rule and attention run per row on the row's own cache."""
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        h = x + mixer(self.input_layernorm(x), cache)
+        h = x + mixer.packed(self.input_layernorm(x), spans, caches)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def _decode(self, x: mx.array, cache) -> mx.array:
@@ -439,6 +473,22 @@ class Qwen35(LanguageHead, nn.Module):
             if len(row) > n:
                 self.mtp.advance(ids[i : i + 1, None], h[i : i + 1], row[n], self.embed_tokens)
         return h
+
+    def packed(self, ids: mx.array, spans: list[tuple[int, int]], caches: list[list]
+               ) -> mx.array:  # fmt: skip
+        """Several rows in one pass: row i feeds `ids[s_i:e_i]` (`ids [T]`, `spans[i]`) from its
+        own caches `caches[i]`, any number of tokens each (a prefill chunk, a decode step).
+        Returns the final-normed hidden states `[T, H]`, packed as `ids` is. See
+        `DecoderLayer.packed`."""
+        x = self.embed_tokens(ids)[None]
+        for i, layer in enumerate(self.layers):
+            x = layer.packed(x, spans, [row[i] for row in caches])
+        h = self.norm(x)
+        n = len(self.layers)
+        for (s, e), row in zip(spans, caches):  # the MTP head's cache follows each row's target
+            if len(row) > n:
+                self.mtp.advance(ids[None, s:e], h[:, s:e], row[n], self.embed_tokens)
+        return h[0]
 
     def hidden(self, ids: mx.array, caches: list) -> mx.array:
         """Run the layers on ids `[B, T]`; returns the final-normed hidden states `[B, T, H]`."""

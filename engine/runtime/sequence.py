@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from . import snapshot
 from .batch import BUSY_PREFILL_CHUNK, WAIT
-from .generate import PREFILL_CHUNK, decode, eval_caches, prefill, prefill_chunks
+from .generate import PREFILL_CHUNK, decode, eval_caches, prefill, prefill_steps, run_steps
 from .sampling import Sampler
 from .speculative import SpeculationStats, speculative_decode
 
@@ -143,18 +143,24 @@ class CachedSequence:
                 progress.prefilled = len(ids) - progress.reused
                 t = time.perf_counter()
                 stops = sorted({p for p in stops if 0 < p <= len(ids)} | {len(ids)})
-                batch = engine.batch_here()  # a task on the model thread: others run between
-                chunks = prefill_chunks(
-                    engine.model, self.caches, ids, progress.reused, stops=stops,
-                    on_stop=self._snapshot, chunk=lambda: _chunk(batch),
+                # A task on the model thread files its chunks with the batch: they run packed
+                # with the other rows' steps, and others run while it waits. Alone, the chunks
+                # run at once, with a WAIT between them.
+                batch = engine.batch_here()
+                steps = prefill_steps(
+                    self.caches, ids, progress.reused, stops=stops, on_stop=self._snapshot,
+                    chunk=lambda: _chunk(batch),
                 )  # fmt: skip
-                while True:
-                    try:
-                        next(chunks)
-                    except StopIteration as done:
-                        logits, _ = done.value
-                        break
-                    yield WAIT
+                chunks = run_steps(engine.model, steps) if batch is None else batch.serve(steps)
+                with contextlib.closing(chunks):  # closed mid-prefill: no chunk left filed
+                    while True:
+                        try:
+                            item = next(chunks)
+                        except StopIteration as done:
+                            logits, _ = done.value
+                            break
+                        if batch is None or item is WAIT:
+                            yield WAIT
                 self.tokens = list(ids)
                 progress.prefill_s = time.perf_counter() - t
                 history = list(ids)

@@ -52,6 +52,8 @@ def forward(model, rows: list[Row]) -> list[tuple[mx.array | None, Mark]]:
     """
     if len(rows) > 1 and all(_decoding(row) for row in rows) and hasattr(model, "decode_rows"):
         return _batched(model, rows)
+    if len(rows) > 1 and hasattr(model, "packed"):
+        return _packed(model, rows)
     out = []
     for row in rows:
         ids = row.tokens if isinstance(row.tokens, mx.array) else mx.array(row.tokens)
@@ -101,6 +103,52 @@ def _batched(model, rows: list[Row]) -> list[tuple[mx.array, Mark]]:
             rollback(r.caches, mark, mark.start)
         raise
     return [(logits[i : i + 1], mark) for i, mark in enumerate(marks)]
+
+
+def _packed(model, rows: list[Row]) -> list[tuple[mx.array | None, Mark]]:
+    """Any mix of rows (prefill chunks, decode steps, verify passes) in one pass, their tokens
+    packed end to end (`model.packed`): the products read the weights once for all of them."""
+    ids = [r.tokens if isinstance(r.tokens, mx.array) else mx.array(r.tokens) for r in rows]
+    spans, marks, keeps, at = [], [], [], 0
+    for r, row_ids in zip(rows, ids):
+        n = row_ids.size
+        spans.append((at, at + n))
+        at += n
+        start = r.caches[0].offset
+        marks.append(Mark(start, start + n, [c.snapshot() for c in r.caches]))
+        keeps.append(sorted(p for p in r.keep if 0 < p < n))
+        for c in r.caches:
+            if isinstance(c, RecurrentCache):
+                c.capture = keeps[-1]
+    try:
+        packed = mx.concatenate([i.reshape(-1) for i in ids])
+        h = model.packed(packed, spans, [r.caches for r in rows])
+        wanted = [(s, e, r.logits) for (s, e), r in zip(spans, rows) if r.logits]
+        logits = None
+        if wanted:  # the LM head over the positions the rows asked for only
+            picks = mx.concatenate([mx.arange(e - n, e) for _, e, n in wanted])
+            logits = model.logits(h[picks])
+        out, taken = [], 0
+        for r, mark, keep in zip(rows, marks, keeps):
+            for p in keep:
+                mark.kept[mark.start + p] = [
+                    c.snapshot(mark.start + p) if isinstance(c, RecurrentCache) else None
+                    for c in r.caches
+                ]
+            row_logits = None
+            if r.logits:
+                row_logits, taken = logits[taken : taken + r.logits], taken + r.logits
+            out.append((row_logits, mark))
+    except BaseException:  # no row keeps half a step: all go back to where they were
+        for r, mark in zip(rows, marks):
+            rollback(r.caches, mark, mark.start)
+        raise
+    finally:
+        for r in rows:
+            for c in r.caches:
+                if isinstance(c, RecurrentCache):
+                    c.capture, c.captured = [], {}
+    return out
 
 
 def rollback(caches: list, mark: Mark, pos: int) -> None:
