@@ -133,7 +133,8 @@ class Engine:
 
     @property
     def batch_stats(self) -> dict:
-        """Decode steps run batched so far, the rows they carried, the widest batch."""
+        """Passes the batch ran so far (decode steps, prefill chunks), the rows they carried,
+        the widest."""
         b = self._batch
         return {"steps": b.steps, "rows": b.rows, "widest": b.widest} if b else {
             "steps": 0, "rows": 0, "widest": 0}  # fmt: skip

@@ -43,14 +43,14 @@ def mlx_lm_greedy(model_and_tok, ids, max_tokens=MAX_TOKENS):
 def first_logits(monkeypatch):
     """Record the logits each turn's prefill returns (the ones that start the answer)."""
     seen = []
-    real = sequence_module.prefill_chunks
+    real = sequence_module.prefill_steps
 
     def recording(*args, **kwargs):
         logits, pos = yield from real(*args, **kwargs)
         seen.append(logits)
         return logits, pos
 
-    monkeypatch.setattr(sequence_module, "prefill_chunks", recording)
+    monkeypatch.setattr(sequence_module, "prefill_steps", recording)
     return seen
 
 

@@ -1,12 +1,14 @@
 """Continuous batching: the rows of every running generation decode together.
 
-Each generation runs its own decode loop (`generate.decode_steps`, the one loop every caller
-shares), as a task on the engine's model thread (`worker.py`). When the loop needs a step it
-files its row here and its task yields `WAIT`; once every task has had its turn, the worker
-runs `Batch.step`: one forward pass for all the rows filed (`step.forward` stacks rows that
-each decode one token), and each loop takes its logits and goes on. Rows join the moment
-their prompt is in and leave when they finish, without waiting for the others; a prompt being
-prefilled yields `WAIT` between its chunks, so rows that are decoding keep streaming.
+Each generation runs its own prefill and decode loops (`generate.prefill_steps` and
+`decode_steps`, the loops every caller shares), as a task on the engine's model thread
+(`worker.py`). When a loop needs a pass (a prefill chunk, a decode step) it files its row
+here and its task yields `WAIT`; once every task has had its turn, the worker runs
+`Batch.step`: one forward pass for all the rows filed (`step.forward` stacks rows that each
+decode one token, and packs any other mix end to end), and each loop takes its logits and
+goes on. Rows join the moment their prompt is in and leave when they finish, without waiting
+for the others; a prompt's chunks are small while others decode, so they keep streaming, and
+prompts that arrive together prefill in the same passes.
 
 Every row keeps its own caches (a row's KV cache has its own length; each row's Gated
 DeltaNet state is read and written as its own array by the fused CPU kernel, stacked for the

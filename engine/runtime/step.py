@@ -10,7 +10,8 @@ one pass (`kernels.gated_delta_kept`). `accepted` is the acceptance rule: how ma
 tokens stand.
 
 Rows that each decode one token run as one batched pass (the scheduler in `batch.py` makes
-such steps); any other mix runs row by row at batch 1. Sharding wraps this function alone.
+such steps); any other mix of rows runs as one packed pass (`model.packed`: the tokens of all
+rows end to end, the products once over all of them). Sharding wraps this function alone.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def forward(model, rows: list[Row]) -> list[tuple[mx.array | None, Mark]]:
 
     Logits are lazy: the caller evaluates them with whatever it builds on top (sampling), so
     the step and its pick are one graph. Rows that each decode one token (past their first)
-    run as one batched pass (`model.decode_rows`); any other mix runs row by row.
+    run as one batched pass (`model.decode_rows`); any other mix as one packed pass
+    (`model.packed`); a model with neither (a pipeline's) runs them row by row.
     """
     if len(rows) > 1 and all(_decoding(row) for row in rows) and hasattr(model, "decode_rows"):
         return _batched(model, rows)

@@ -12,10 +12,10 @@ another thread (the consumer's pace, so closing it stops the work at the next it
 runs a generator there at the thread's own pace, handing each item to a callback (the server).
 
 Generators run as tasks, interleaved: each gets a turn in order, and runs until it yields
-`batch.WAIT` (its decode row waits for a step, or its prefill finished a chunk), ends, or its
+`batch.WAIT` (its row, a decode step or a prefill chunk, waits for a pass), ends, or its
 consumer takes no more items, handing over at most `ITEMS_PER_TURN` items. After every round
-the thread runs one batched decode step for all the rows waiting (`batch.Batch`), so
-concurrent generations decode together. (A turn that ended at the first item would leave a
+the thread runs one pass for all the rows waiting (`batch.Batch`), so concurrent generations
+prefill and decode together. (A turn that ended at the first item would leave a
 task that hands over more items for some token, such as its first or one that completes no
 text, a turn behind the others: its row would miss their step, and from then on the rows
 would step alone, in turns.) At most `max_tasks` run at once; more wait in
