@@ -39,19 +39,14 @@ def eval_caches(caches: list, *extra) -> None:
 
 def prefill(model: Qwen35, caches: list, ids: Sequence[int], start: int, **options
             ) -> tuple[mx.array | None, int]:  # fmt: skip
-    """Feed `ids[start:]` (see `prefill_chunks`); returns (last logits or None, position)."""
-    chunks = prefill_chunks(model, caches, ids, start, **options)
+    """Feed `ids[start:]` (see `prefill_steps`), each chunk's pass at once, alone; returns
+    (last logits or None, position)."""
+    chunks = run_steps(model, prefill_steps(caches, ids, start, **options))
     while True:
         try:
             next(chunks)
         except StopIteration as done:
             return done.value
-
-
-def prefill_chunks(model: Qwen35, caches: list, ids: Sequence[int], start: int, **options
-                   ) -> Generator[int, None, tuple[mx.array | None, int]]:  # fmt: skip
-    """`prefill_steps` with each chunk's pass run at once, alone: yields the positions."""
-    return (yield from run_steps(model, prefill_steps(caches, ids, start, **options)))
 
 
 def prefill_steps(

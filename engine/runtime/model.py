@@ -208,7 +208,7 @@ class Attention(nn.Module):
         return self.packed(x, [(0, x.shape[1])], [cache])
 
     def packed(self, x: mx.array, spans: list[tuple[int, int]], caches: list) -> mx.array:
-        """Several rows' tokens packed along T (`x [1, T, H]`, row i at `x[:, s_i:e_i]` with
+        """Several rows' tokens packed along T (`x [B, T, H]`, row i at `x[:, s_i:e_i]` with
         its own KV cache `caches[i]`): the projections run once over all of them, attention
         per row over that row's cache."""
         products = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -339,7 +339,7 @@ class DecoderLayer(nn.Module):
         return self.packed(x, [(0, x.shape[1])], [cache])
 
     def packed(self, x: mx.array, spans: list[tuple[int, int]], caches: list) -> mx.array:
-        """Rows packed along T (`x [1, T, H]`, row i at `x[:, s_i:e_i]`, its cache `caches[i]`):
+        """Rows packed along T (`x [B, T, H]`, row i at `x[:, s_i:e_i]`, its cache `caches[i]`):
         every product (the mixer's projections, the MLP) runs once over all the rows' tokens,
         which reads the weights once and gives the matmul its best shape; the conv, the delta
         rule and attention run per row on the row's own cache."""

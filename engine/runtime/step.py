@@ -59,30 +59,42 @@ def forward(model, rows: list[Row]) -> list[tuple[mx.array | None, Mark]]:
     out = []
     for row in rows:
         ids = row.tokens if isinstance(row.tokens, mx.array) else mx.array(row.tokens)
-        n = ids.shape[0]
-        start = row.caches[0].offset
-        mark = Mark(start, start + n, [c.snapshot() for c in row.caches])
-        recurrent = [c for c in row.caches if isinstance(c, RecurrentCache)]
-        keep = sorted(p for p in row.keep if 0 < p < n)
-        for c in recurrent:
-            c.capture = keep
+        mark, keep = _begin(row, ids.shape[0])
         try:
-            if row.logits:
-                h = model.hidden(ids[None], row.caches)
-                logits = model.logits(h[:, -row.logits :])[0]
-            else:
-                model.hidden(ids[None], row.caches)
-                logits = None
-            for p in keep:
-                mark.kept[start + p] = [
-                    c.snapshot(start + p) if isinstance(c, RecurrentCache) else None
-                    for c in row.caches
-                ]
+            h = model.hidden(ids[None], row.caches)
+            logits = model.logits(h[:, -row.logits :])[0] if row.logits else None
+            _take_kept(row, mark, keep)
         finally:
-            for c in recurrent:
-                c.capture, c.captured = [], {}
+            _end_capture(row.caches)
         out.append((logits, mark))
     return out
+
+
+def _begin(row: Row, n: int) -> tuple[Mark, list[int]]:
+    """The row's Mark for a step of `n` tokens, and the positions inside it to keep (set as
+    its recurrent caches' `capture`: the pass records the states there)."""
+    start = row.caches[0].offset
+    mark = Mark(start, start + n, [c.snapshot() for c in row.caches])
+    keep = sorted(p for p in row.keep if 0 < p < n)
+    for c in row.caches:
+        if isinstance(c, RecurrentCache):
+            c.capture = keep
+    return mark, keep
+
+
+def _take_kept(row: Row, mark: Mark, keep: list[int]) -> None:
+    """Put the states the pass recorded at `keep` into the row's mark."""
+    for p in keep:
+        mark.kept[mark.start + p] = [
+            c.snapshot(mark.start + p) if isinstance(c, RecurrentCache) else None
+            for c in row.caches
+        ]
+
+
+def _end_capture(caches: list) -> None:
+    for c in caches:
+        if isinstance(c, RecurrentCache):
+            c.capture, c.captured = [], {}
 
 
 def _decoding(row: Row) -> bool:
@@ -113,30 +125,21 @@ def _packed(model, rows: list[Row]) -> list[tuple[mx.array | None, Mark]]:
     ids = [r.tokens if isinstance(r.tokens, mx.array) else mx.array(r.tokens) for r in rows]
     spans, marks, keeps, at = [], [], [], 0
     for r, row_ids in zip(rows, ids):
-        n = row_ids.size
-        spans.append((at, at + n))
-        at += n
-        start = r.caches[0].offset
-        marks.append(Mark(start, start + n, [c.snapshot() for c in r.caches]))
-        keeps.append(sorted(p for p in r.keep if 0 < p < n))
-        for c in r.caches:
-            if isinstance(c, RecurrentCache):
-                c.capture = keeps[-1]
+        spans.append((at, at + row_ids.size))
+        at += row_ids.size
+        mark, keep = _begin(r, row_ids.size)
+        marks.append(mark)
+        keeps.append(keep)
     try:
         packed = mx.concatenate([i.reshape(-1) for i in ids])
         h = model.packed(packed, spans, [r.caches for r in rows])
-        wanted = [(s, e, r.logits) for (s, e), r in zip(spans, rows) if r.logits]
+        wanted = [(e, r.logits) for (_, e), r in zip(spans, rows) if r.logits]
         logits = None
         if wanted:  # the LM head over the positions the rows asked for only
-            picks = mx.concatenate([mx.arange(e - n, e) for _, e, n in wanted])
-            logits = model.logits(h[picks])
+            logits = model.logits(h[mx.concatenate([mx.arange(e - n, e) for e, n in wanted])])
         out, taken = [], 0
         for r, mark, keep in zip(rows, marks, keeps):
-            for p in keep:
-                mark.kept[mark.start + p] = [
-                    c.snapshot(mark.start + p) if isinstance(c, RecurrentCache) else None
-                    for c in r.caches
-                ]
+            _take_kept(r, mark, keep)
             row_logits = None
             if r.logits:
                 row_logits, taken = logits[taken : taken + r.logits], taken + r.logits
@@ -147,9 +150,7 @@ def _packed(model, rows: list[Row]) -> list[tuple[mx.array | None, Mark]]:
         raise
     finally:
         for r in rows:
-            for c in r.caches:
-                if isinstance(c, RecurrentCache):
-                    c.capture, c.captured = [], {}
+            _end_capture(r.caches)
     return out
 
 
