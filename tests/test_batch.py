@@ -14,10 +14,12 @@ import threading
 import time
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from helpers import QUESTIONS, fresh_greedy
 
 import engine
+from engine.runtime.cache import KVCache
 from engine.runtime.generate import prefill
 from engine.runtime.step import Row, forward
 from engine.runtime.worker import Job
@@ -179,22 +181,40 @@ def test_a_packed_step_of_prefill_chunks_and_decode_rows_equals_each_row_alone(e
         assert mx.abs(lp - la).max().item() < 1e-4
 
 
-def test_a_failed_packed_step_leaves_every_row_where_it_was(eng, monkeypatch):
+def _live(caches) -> list[np.ndarray]:
+    """What a row's caches hold up to their offset (a KV buffer's tail past it is garbage)."""
+    return [np.array(a) for c in caches
+            for a in (c.state if isinstance(c, KVCache) else (c.conv, c.state))]  # fmt: skip
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "row-by-row"])
+def test_a_failed_pass_leaves_every_row_where_it_was(eng, monkeypatch, packed):
+    """The pass fails in its last layer: packed, or row by row (a model without packed passes,
+    as a pipeline's) where the first row has already run whole when the second fails. Every
+    row's caches are back at the step's start, with nothing left to capture."""
     model = eng.model
     rows = [model.make_caches(), model.make_caches()]
     prefill(model, rows[1], _ids(9, 6), 0)
-    last = model.layers[-1]
+    before = _live(rows[1])
+    last, calls = model.layers[-1], []
 
     def broken(*args):
-        raise RuntimeError("broken layer")
+        calls.append(args)
+        if packed or len(calls) == 2:
+            raise RuntimeError("broken layer")
+        return type(last).packed(last, *args)
 
+    if not packed:
+        monkeypatch.delattr(type(model), "packed")
     monkeypatch.setattr(last, "packed", broken)
     with pytest.raises(RuntimeError, match="broken layer"):
-        forward(model, [Row(rows[0], _ids(12, 7), keep=[4]), Row(rows[1], [3])])
+        forward(model, [Row(rows[0], _ids(12, 7), keep=[4]), Row(rows[1], _ids(3, 8))])
     monkeypatch.undo()
+    assert len(calls) == (1 if packed else 2)
     assert [c.offset for c in rows[0]] == [0] * len(rows[0])
     assert [c.offset for c in rows[1]] == [9] * len(rows[1])
-    assert all(not c.capture for c in rows[0] if hasattr(c, "capture"))
+    assert all((a == b).all() for a, b in zip(_live(rows[1]), before, strict=True))
+    assert all(not c.capture for row in rows for c in row if hasattr(c, "capture"))
 
 
 def test_concurrent_prefills_run_packed_in_shared_passes(eng, monkeypatch):

@@ -16,7 +16,8 @@ rows end to end, the products once over all of them). Sharding wraps this functi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -56,18 +57,32 @@ def forward(model, rows: list[Row]) -> list[tuple[mx.array | None, Mark]]:
         return _batched(model, rows)
     if len(rows) > 1 and hasattr(model, "packed"):
         return _packed(model, rows)
-    out = []
-    for row in rows:
-        ids = row.tokens if isinstance(row.tokens, mx.array) else mx.array(row.tokens)
-        mark, keep = _begin(row, ids.shape[0])
-        try:
-            h = model.hidden(ids[None], row.caches)
-            logits = model.logits(h[:, -row.logits :])[0] if row.logits else None
-            _take_kept(row, mark, keep)
-        finally:
-            _end_capture(row.caches)
-        out.append((logits, mark))
+    out, marks = [], []
+    with _all_or_none(rows, marks):
+        for row in rows:
+            ids = row.tokens if isinstance(row.tokens, mx.array) else mx.array(row.tokens)
+            mark, keep = _begin(row, ids.shape[0])
+            marks.append(mark)
+            try:
+                h = model.hidden(ids[None], row.caches)
+                logits = model.logits(h[:, -row.logits :])[0] if row.logits else None
+                _take_kept(row, mark, keep)
+            finally:
+                _end_capture(row.caches)
+            out.append((logits, mark))
     return out
+
+
+@contextlib.contextmanager
+def _all_or_none(rows: list[Row], marks: list[Mark]) -> Iterator[None]:
+    """No row keeps half a step: if the pass fails, every row with a mark goes back to its
+    start (the layers before the failure had already written their caches)."""
+    try:
+        yield
+    except BaseException:
+        for row, mark in zip(rows, marks):
+            rollback(row.caches, mark, mark.start)
+        raise
 
 
 def _begin(row: Row, n: int) -> tuple[Mark, list[int]]:
@@ -110,12 +125,8 @@ def _batched(model, rows: list[Row]) -> list[tuple[mx.array, Mark]]:
     ])  # fmt: skip
     marks = [Mark(r.caches[0].offset, r.caches[0].offset + 1, [c.snapshot() for c in r.caches])
              for r in rows]  # fmt: skip
-    try:
+    with _all_or_none(rows, marks):
         logits = model.logits(model.decode_rows(ids, [r.caches for r in rows])[:, 0])
-    except BaseException:  # no row keeps half a step: all go back to where they were
-        for r, mark in zip(rows, marks):
-            rollback(r.caches, mark, mark.start)
-        raise
     return [(logits[i : i + 1], mark) for i, mark in enumerate(marks)]
 
 
@@ -131,23 +142,20 @@ def _packed(model, rows: list[Row]) -> list[tuple[mx.array | None, Mark]]:
         marks.append(mark)
         keeps.append(keep)
     try:
-        packed = mx.concatenate([i.reshape(-1) for i in ids])
-        h = model.packed(packed, spans, [r.caches for r in rows])
-        wanted = [(e, r.logits) for (_, e), r in zip(spans, rows) if r.logits]
-        logits = None
-        if wanted:  # the LM head over the positions the rows asked for only
-            logits = model.logits(h[mx.concatenate([mx.arange(e - n, e) for e, n in wanted])])
-        out, taken = [], 0
-        for r, mark, keep in zip(rows, marks, keeps):
-            _take_kept(r, mark, keep)
-            row_logits = None
-            if r.logits:
-                row_logits, taken = logits[taken : taken + r.logits], taken + r.logits
-            out.append((row_logits, mark))
-    except BaseException:  # no row keeps half a step: all go back to where they were
-        for r, mark in zip(rows, marks):
-            rollback(r.caches, mark, mark.start)
-        raise
+        with _all_or_none(rows, marks):
+            packed = mx.concatenate([i.reshape(-1) for i in ids])
+            h = model.packed(packed, spans, [r.caches for r in rows])
+            wanted = [(e, r.logits) for (_, e), r in zip(spans, rows) if r.logits]
+            logits = None
+            if wanted:  # the LM head over the positions the rows asked for only
+                logits = model.logits(h[mx.concatenate([mx.arange(e - n, e) for e, n in wanted])])
+            out, taken = [], 0
+            for r, mark, keep in zip(rows, marks, keeps):
+                _take_kept(r, mark, keep)
+                row_logits = None
+                if r.logits:
+                    row_logits, taken = logits[taken : taken + r.logits], taken + r.logits
+                out.append((row_logits, mark))
     finally:
         for r in rows:
             _end_capture(r.caches)
