@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 from helpers import QUESTIONS, fresh_greedy
@@ -36,6 +37,77 @@ def test_call_returns_values_and_reraises_errors_on_the_caller():
         with pytest.raises(ZeroDivisionError):
             worker.call(lambda: 1 / 0)
         assert worker.call(lambda: 2 + 2) == 4  # an error does not kill the thread
+    finally:
+        worker.stop()
+
+
+class Rows:
+    """A stand-in for `batch.Batch`: a task files its name as its row; `step` serves the
+    rows filed and records them."""
+
+    def __init__(self):
+        self.filed, self.steps = [], []
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.filed)
+
+    def step(self) -> None:
+        self.steps.append(sorted(self.filed))
+        self.filed.clear()
+
+    def run(self, name: str, n: int, *, tokens: bool = True, slow_turn=lambda: None):
+        """n steps, its row filed for each and WAIT until a step served it; a decoder yields
+        a token after each, a prefill (`tokens=False`) only at its end."""
+        from engine.runtime.batch import WAIT
+
+        for i in range(n):
+            self.filed.append(name)
+            while name in self.filed:
+                yield WAIT
+            slow_turn()
+            if tokens:
+                yield i
+        if not tokens:
+            yield n
+
+
+def test_a_consumer_that_asked_during_a_slow_turn_still_joins_the_next_step():
+    """Decoders A and B beside a prefill C, whose row is always waiting. A's consumer asks
+    for its next token while B's turn runs long (a turn may wait for the last pass to finish
+    computing), so A is ready, not waiting, when the next pass is gathered: its row must
+    join that pass all the same, not wait a whole one (A's and B's rows then took turns,
+    each in every other pass of C's prefill)."""
+    rows = Rows()
+    worker = ModelThread(threading.RLock(), batch=rows)
+    try:
+
+        def after_a_asked():  # on the model thread, in B's turn: wait until A's consumer asked
+            for a in [t for t in worker._tasks if t.make is make_a]:
+                assert a.ready.__self__.asked.wait(30), "A's consumer never asked"
+
+        def make_a():
+            return rows.run("a", 6)
+
+        go, holding = threading.Event(), threading.Event()
+        worker.submit(Job(lambda job: (holding.set(), go.wait(60))))
+        assert holding.wait(60)
+        makes = [make_a, lambda: rows.run("b", 6, slow_turn=after_a_asked),
+                 lambda: rows.run("c", 8, tokens=False)]  # fmt: skip
+        results = [[] for _ in makes]
+        threads = [threading.Thread(target=lambda m=m, r=r: r.extend(worker.iterate(m)))
+                   for m, r in zip(makes, results)]  # fmt: skip
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while worker.queued() < len(makes):  # all three start in one round
+            assert time.monotonic() < deadline, "the streams never reached the model thread"
+            time.sleep(0.01)
+        go.set()
+        for t in threads:
+            t.join(60)
+        assert results == [list(range(6)), list(range(6)), [8]]
+        assert rows.steps == [["a", "b", "c"]] * 6 + [["c"]] * 2
     finally:
         worker.stop()
 

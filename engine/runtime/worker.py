@@ -246,7 +246,7 @@ class ModelThread:
             for task in list(self._tasks):
                 busy |= self._advance(task)
             if self.batch is not None and self.batch.pending:
-                self._gather([t for t in self._tasks if t.behind and not t.ready()])
+                self._gather([t for t in self._tasks if t.behind])
                 with self.lock:
                     self.batch.step()  # a failed row's error goes to its task, not here
                 busy = True
@@ -346,7 +346,10 @@ class ModelThread:
     def _gather(self, behind: list[_Task]) -> None:
         """Before a batched step: give the tasks `behind` (their consumers, on other threads,
         are taking the item just handed over) up to GATHER_S to ask for the next one, and
-        their turns, so that their rows join this step rather than each stepping alone."""
+        their turns, so that their rows join this step rather than each stepping alone. A
+        consumer that asked already (during a later task's turn, which may have waited for
+        the last pass to compute) gets its turn at once: left out, its row would wait a
+        whole pass, and with a prefill's chunk always waiting, decoders took turns."""
         deadline = time.monotonic() + GATHER_S
         while behind and not self.stopping.is_set():
             for task in [t for t in behind if t.ready() or t.cancelled.is_set()]:
