@@ -18,7 +18,7 @@ from .args import (
     sampling_overrides,
 )
 from .checkpoints.registry import DEFAULT_MODEL
-from .runtime.batch import DEFAULT_MAX_BATCH
+from .runtime.batch import DEFAULT_MAX_BATCH, DEFAULT_PASS_TOKENS
 from .runtime.pool import DEFAULT_SEQUENCES
 
 
@@ -349,6 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=number(1), default=DEFAULT_MAX_BATCH, metavar="N",
                    help="requests decoded together in one forward pass per step (continuous "
                         f"batching; 1: one at a time; default {DEFAULT_MAX_BATCH})")  # fmt: skip
+    s.add_argument("--pass-tokens", type=number(1), default=DEFAULT_PASS_TOKENS, metavar="N",
+                   help="tokens in one forward pass at most: a prompt is prefilled in chunks cut "
+                        "to fit beside the requests decoding, which stall one such pass at a "
+                        f"time (default {DEFAULT_PASS_TOKENS})")  # fmt: skip
     s.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="disk tier of the prefix cache: what leaves RAM, and everything at "
                         "shutdown (default: CHATML_HOME/prefix-cache)")  # fmt: skip

@@ -24,7 +24,7 @@ from .checkpoints.loader import (
 from .checkpoints.registry import DEFAULT_MODEL, ModelEntry
 from .checkpoints.tokenizer import Tokenizer
 from .runtime import memory
-from .runtime.batch import DEFAULT_MAX_BATCH, Batch
+from .runtime.batch import DEFAULT_MAX_BATCH, DEFAULT_PASS_TOKENS, Batch
 from .runtime.dense import use_dense_kernels
 from .runtime.draft import DraftModel
 from .runtime.fused import join_projections
@@ -65,6 +65,8 @@ class Engine:
     speculative: Speculation | None = None
     # Generations decoding together at most (continuous batching; 1: one after another).
     max_batch: int = DEFAULT_MAX_BATCH
+    # Tokens in one forward pass at most: bounds how long a prefill stalls the rows decoding.
+    pass_tokens: int = DEFAULT_PASS_TOKENS
     _batch: Batch | None = field(default=None, repr=False)
 
     @property
@@ -107,7 +109,7 @@ class Engine:
         with self._worker_lock:
             if self._worker is None or not self._worker.alive:
                 if self._batch is None:
-                    self._batch = Batch(self.model, self.max_batch)
+                    self._batch = Batch(self.model, self.max_batch, self.pass_tokens)
                 self._worker = ModelThread(self.lock, batch=self._batch,
                                            max_tasks=self.max_batch)  # fmt: skip
                 # Stopped when the engine goes away, or at exit: no MLX work outlives Python.
@@ -123,6 +125,15 @@ class Engine:
             self._batch.max_rows = n
         if self._worker is not None:
             self._worker.max_tasks = n
+
+    def set_pass_tokens(self, n: int) -> None:
+        """Run at most `n` tokens in one forward pass: prefill chunks are cut to fit beside
+        the rows decoding, whose stall per step that bounds."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"pass_tokens must be an integer >= 1, got {n!r}")
+        self.pass_tokens = n
+        if self._batch is not None:
+            self._batch.pass_tokens = n
             self._worker._wake.set()
 
     def batch_here(self) -> Batch | None:
@@ -268,6 +279,7 @@ def load(
     speculative: str | None = None,
     num_draft: int = 4,
     max_batch: int = DEFAULT_MAX_BATCH,
+    pass_tokens: int = DEFAULT_PASS_TOKENS,
     shard: str | None = None,
 ) -> Engine:
     """Load a model: a models.yaml alias, a local checkpoint folder, or a Hub id.
@@ -297,7 +309,9 @@ def load(
     decode plainly. `"draft:NAME"` drafts with another model (a registry name, folder or Hub
     id with the same tokenizer, loaded in the same dtype), greedily from its own caches.
     `max_batch`: how many concurrent generations (sessions, `Engine.chat` calls from several
-    threads, server requests) decode together in one forward pass per step.
+    threads, server requests) decode together in one forward pass per step; `pass_tokens`:
+    the most tokens one pass runs, so a prompt being prefilled stalls the rows decoding beside
+    it for one such pass at a time (its chunks are cut to fit).
     `shard="pipeline"`, in every process of a group started by `mlx.launch`, splits the layers
     over the processes (engine/runtime/shard.py): each loads only its layers. Rank 0 returns
     the Engine; on the other ranks `load` serves rank 0 and exits the process when it is done.
@@ -317,7 +331,7 @@ def load(
     try:
         eng = _load(model, dtype=dtype, chunked_delta=chunked_delta, cache_bytes=cache_bytes,
                     quantize=quantize, speculative=speculative, spec=spec, max_batch=max_batch,
-                    shard=shard)  # fmt: skip
+                    pass_tokens=pass_tokens, shard=shard)  # fmt: skip
     except BaseException:
         if folder is not None:
             folder.release()
@@ -329,7 +343,7 @@ def load(
 
 
 def _load(model, *, dtype, chunked_delta, cache_bytes, quantize, speculative, spec, max_batch,
-          shard) -> Engine:  # fmt: skip
+          pass_tokens, shard) -> Engine:  # fmt: skip
     """`load` less the disk tier (its arguments checked, `spec` made from `speculative`)."""
     path, entry = resolve(model)
     ckpt = inspect(path, entry)
@@ -417,6 +431,7 @@ def _load(model, *, dtype, chunked_delta, cache_bytes, quantize, speculative, sp
     eng = Engine(net, tok, ckpt.entry, ckpt, _DTYPES[name], stops, CacheBudget(cache_bytes))
     eng.speculative = spec
     eng.set_max_batch(max_batch)
+    eng.set_pass_tokens(pass_tokens)
     if spec is not None and isinstance(spec.drafter, DraftModel):
         spec.drafter.load(eng)
     if link is not None:

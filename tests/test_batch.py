@@ -19,6 +19,7 @@ import pytest
 from helpers import QUESTIONS, fresh_greedy
 
 import engine
+from engine.runtime.batch import DEFAULT_PASS_TOKENS, Batch
 from engine.runtime.cache import KVCache
 from engine.runtime.generate import prefill
 from engine.runtime.step import Row, forward
@@ -333,6 +334,62 @@ def test_rows_join_a_running_batch_and_a_cancelled_row_disturbs_no_other(eng):
     assert joined[1].events[-1][1].status == 499
     # The cancelled conversation's sequence is valid: the same request again answers as alone.
     check_alone(eng, Request(eng, messages(6), max_tokens=8).turn(), max_tokens=8)
+
+
+def test_a_prompt_beside_decoding_rows_is_cut_to_the_pass_budget(eng, monkeypatch):
+    """Two long prompts arrive while two rows decode. Every pass holds at most `pass_tokens`
+    tokens, so the prompts go in cut chunks (the stall of the decoding rows is one short pass),
+    the decoding rows are in the passes that prefill, and the older prompt goes first. All
+    answer as alone, and the next turn reuses the snapshots taken inside cut chunks as a
+    conversation played alone does."""
+    budget, passes, take = 40, [], Batch._take
+    monkeypatch.setattr(Batch, "_take", lambda self: passes.append(take(self)) or passes[-1])
+    firsts, long = [], []
+
+    def note_first(request):
+        if sum(e[0] == "delta" for e in request.events) == 1:
+            firsts.append(long.index(request))
+
+    def arrive_at_third(request):
+        if sum(e[0] == "delta" for e in request.events) == 3 and not long:
+            long.extend(Request(eng, _long_chat(i), on_token=note_first) for i in range(2))
+
+    eng.set_pass_tokens(budget)
+    try:
+        held = Held(eng)
+        decoding = [Request(eng, messages(20), on_token=arrive_at_third, max_tokens=24),
+                    Request(eng, messages(21), max_tokens=24)]  # fmt: skip
+        held.release()
+        turns = [r.turn() for r in decoding]
+        turns += [r.turn() for r in long]  # (arrived at the third token)
+        monkeypatch.undo()
+        follow = _long_chat(0) + [{"role": "assistant", "content": turns[2].text},
+                                  {"role": "user", "content": "And then?"}]  # fmt: skip
+        after = Request(eng, follow).turn()
+    finally:
+        eng.set_pass_tokens(DEFAULT_PASS_TOKENS)
+    for turn, n in zip(turns, (24, 24, MAX_TOKENS, MAX_TOKENS)):
+        check_alone(eng, turn, max_tokens=n)
+    assert min(len(t.prompt_ids) for t in turns[2:]) > 2 * budget  # so the chunks were cut
+    assert all(sum(t.row.size for t in p) <= budget for p in passes)
+    mixed = [
+        p for p in passes if any(t.row.partial for t in p) and any(not t.row.partial for t in p)
+    ]
+    assert max(sum(not t.row.partial for t in p) for p in mixed) >= 2
+    assert firsts == [0, 1]
+
+    other = engine.load("tiny", max_batch=1)  # the same two turns alone
+    alone = [Request(other, _long_chat(0)).turn()]
+    follow[-2]["content"] = alone[0].text
+    again = Request(other, follow).turn()
+    assert alone[0].token_ids == turns[2].token_ids and again.token_ids == after.token_ids
+    assert after.stats.reused_tokens == again.stats.reused_tokens > 2 * budget
+
+
+def _long_chat(i: int) -> list[dict]:
+    return [{"role": "system", "content": f"You are assistant number {i}. " + "Keep to the facts "
+             "and remember every colour the user names. " * 8},
+            {"role": "user", "content": QUESTIONS[i]}]  # fmt: skip
 
 
 def test_concurrent_conversations_reuse_their_caches_as_one_client_does(eng):

@@ -18,6 +18,7 @@ as at batch 1. Sampling runs per row, with the row's own sampler.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 
@@ -25,10 +26,14 @@ import mlx.core as mx
 
 from .cache import RecurrentCache
 from .generate import decode_steps, settle
-from .step import Mark, Row, forward, rollback
+from .step import Mark, Row, cut, forward, rollback
 
 DEFAULT_MAX_BATCH = 8
-BUSY_PREFILL_CHUNK = 128  # prefill chunk while other rows wait to decode (bounds their stall)
+# Tokens in one pass at most: a pass that prefills stalls every row decoding beside it, for
+# as long as its tokens take (256: ~1.9 s for the 0.8B float32 on 2 CPU cores, within 2% of
+# the best prefill speed, which 512-token chunks reach; see BENCHMARKS "The pass budget").
+DEFAULT_PASS_TOKENS = 256
+MIN_CUT = 32  # a prefill chunk cut shorter than this waits for the next pass instead
 
 
 class _Wait:
@@ -46,6 +51,7 @@ WAIT = _Wait()
 @dataclass
 class _Ticket:
     row: Row
+    since: int  # when its coroutine came to this batch: older prefills go first
     result: tuple[mx.array, Mark] | None = None
     error: BaseException | None = None  # the step failed for this row: raised in its loop
 
@@ -53,12 +59,17 @@ class _Ticket:
 class Batch:
     """The rows waiting for the next decode step of one model. Model thread only."""
 
-    def __init__(self, model, max_rows: int = DEFAULT_MAX_BATCH):
+    def __init__(self, model, max_rows: int = DEFAULT_MAX_BATCH,
+                 pass_tokens: int = DEFAULT_PASS_TOKENS):  # fmt: skip
         if max_rows < 1:
             raise ValueError(f"a batch needs at least one row, got {max_rows}")
+        if pass_tokens < 1:
+            raise ValueError(f"a pass needs at least one token, got {pass_tokens}")
         self.model = model
         self.max_rows = max_rows
+        self.pass_tokens = pass_tokens
         self._waiting: list[_Ticket] = []
+        self._arrivals = itertools.count()
         self.steps = 0  # forward passes run
         self.rows = 0  # rows stepped in them (rows / steps: the mean batch size)
         self.widest = 0  # the largest batch stepped
@@ -68,9 +79,8 @@ class Batch:
         return bool(self._waiting)
 
     def step(self) -> None:
-        """One forward pass for the rows waiting (at most `max_rows`, first come first)."""
-        tickets = self._waiting[: self.max_rows]
-        del self._waiting[: len(tickets)]
+        """One forward pass for the rows waiting (see `_take`)."""
+        tickets = self._take()
         if not tickets:
             return
         try:
@@ -93,6 +103,31 @@ class Batch:
         self.rows += len(tickets)
         self.widest = max(self.widest, len(tickets))
 
+    def _take(self) -> list[_Ticket]:
+        """The next pass's rows, at most `max_rows` and `pass_tokens` tokens: first the rows
+        that decode or verify (a token or a few each: the rows a long pass would stall), then
+        the prefill chunks in the room left, the oldest request's first (one prompt done
+        soon, not all of them late), the last one cut to fit (`step.cut`). What does not fit
+        waits for the next pass. The first chunk gets at least `MIN_CUT` tokens whatever the
+        other rows take: prefills always progress."""
+        taken = [t for t in self._waiting if not t.row.partial][: self.max_rows]
+        room = self.pass_tokens - sum(t.row.size for t in taken)
+        first = True
+        for t in sorted((t for t in self._waiting if t.row.partial), key=lambda t: t.since):
+            if first:
+                room, first = max(room, min(MIN_CUT, self.pass_tokens)), False
+            elif room < min(MIN_CUT, t.row.size):
+                break
+            if len(taken) == self.max_rows:
+                break
+            if t.row.size > room:
+                t.row = cut(t.row, room)
+            room -= t.row.size
+            taken.append(t)
+        chosen = set(map(id, taken))
+        self._waiting = [t for t in self._waiting if id(t) not in chosen]
+        return taken
+
     def decode(self, model, caches: list, logits: mx.array, sampler, **options) -> Iterator:
         """`generate.decode` (same arguments) with its steps batched: yields tokens, and
         `WAIT` while its row waits for a step. Closing it at any point leaves the caches
@@ -111,12 +146,12 @@ class Batch:
         """Run a step coroutine (`generate.decode_steps`, `generate.prefill_steps`) with its
         passes in this batch's steps: yields its other items, and `WAIT` while its row waits
         for a step; returns what it returns. Closing it rolls back a step it was not given."""
-        ticket = None
+        ticket, since = None, next(self._arrivals)
         try:
             item = next(steps)
             while True:
                 if isinstance(item, Row):
-                    ticket = _Ticket(item)
+                    ticket = _Ticket(item, since)
                     self._waiting.append(ticket)
                     while ticket.result is None and ticket.error is None:
                         yield WAIT

@@ -58,14 +58,15 @@ def prefill_steps(
     on_stop: Callable[[int, list | None], None] | None = None,
     logits: bool = True,
     cancelled: Callable[[], bool] | None = None,
-    chunk: int | Callable[[], int] = PREFILL_CHUNK,
+    chunk: int = PREFILL_CHUNK,
 ) -> Generator[Row | int, tuple, tuple[mx.array | None, int]]:
     """Feed `ids[start:]`; call `on_stop(pos, layers)` after reaching each position in `stops`.
 
     A coroutine as `decode_steps` is: it yields a `Row` per chunk (and is sent back the row's
     `(logits, Mark)`: whoever runs it serves the pass, alone or packed with other rows), and
     yields the position reached after each chunk but the last, so a caller can let other work
-    run between chunks (`chunk` may be a function: the size is decided before each chunk).
+    run between chunks. The rows are partial: a batch may feed a prefix of a chunk only, to
+    keep its pass within budget (`batch.Batch`), and the next chunk starts where it stopped.
     `layers` is the per-layer state kept at `pos` inside a chunk (None: `pos` is the chunk's
     end, the live state). `cancelled()` is checked before each chunk: background work stops
     at a chunk boundary, with the caches consistent at the position reached. Returns the
@@ -78,12 +79,12 @@ def prefill_steps(
     while pos < len(ids):
         if cancelled is not None and cancelled():
             return None, pos
-        end = min(len(ids), pos + (chunk() if callable(chunk) else chunk))
+        end = min(len(ids), pos + chunk)
+        step_logits, mark = yield Row(caches, ids[pos:end], logits=int(end == len(ids) and logits),
+                                      keep=[s - pos for s in stops if pos < s < end], partial=True)  # fmt: skip
+        end = pos + mark.end - mark.start  # where the pass stopped (a cut row: before `end`)
         inside = sorted(s for s in stops if pos < s <= end)
-        last = end == len(ids) and logits
-        step_logits, mark = yield Row(caches, ids[pos:end], logits=int(last),
-                                      keep=[s - pos for s in inside])  # fmt: skip
-        if last:
+        if step_logits is not None:
             out = step_logits[-1]
         eval_caches(caches, list(mark.kept.values()), [] if out is None else out)
         if end < len(ids) and clear:

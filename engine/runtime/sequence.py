@@ -18,16 +18,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from . import snapshot
-from .batch import BUSY_PREFILL_CHUNK, WAIT
-from .generate import PREFILL_CHUNK, decode, eval_caches, prefill, prefill_steps, run_steps
+from .batch import WAIT
+from .generate import decode, eval_caches, prefill, prefill_steps, run_steps
 from .sampling import Sampler
 from .speculative import SpeculationStats, speculative_decode
-
-
-def _chunk(batch) -> int:
-    """The next prefill chunk's size: smaller while other rows decode, so their stall per
-    chunk stays short."""
-    return BUSY_PREFILL_CHUNK if batch is not None and batch.pending else PREFILL_CHUNK
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -147,10 +141,8 @@ class CachedSequence:
                 # with the other rows' steps, and others run while it waits. Alone, the chunks
                 # run at once, with a WAIT between them.
                 batch = engine.batch_here()
-                steps = prefill_steps(
-                    self.caches, ids, progress.reused, stops=stops, on_stop=self._snapshot,
-                    chunk=lambda: _chunk(batch),
-                )  # fmt: skip
+                steps = prefill_steps(self.caches, ids, progress.reused, stops=stops,
+                                      on_stop=self._snapshot)  # fmt: skip
                 chunks = run_steps(engine.model, steps) if batch is None else batch.serve(steps)
                 with contextlib.closing(chunks):  # closed mid-prefill: no chunk left filed
                     while True:

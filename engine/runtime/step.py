@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
@@ -33,6 +33,22 @@ class Row:
     tokens: Sequence[int] | mx.array  # [n] ids to feed (an array may still be lazy)
     logits: int = 1  # trailing positions whose logits the row wants (0: none)
     keep: Iterable[int] = ()  # positions inside the step (relative, 0 < p < n) to keep states at
+    # A prefill chunk: the runner may feed a prefix of `tokens` only (`cut`); the Mark's end
+    # says how far it went.
+    partial: bool = False
+
+    @property
+    def size(self) -> int:
+        return self.tokens.size if isinstance(self.tokens, mx.array) else len(self.tokens)
+
+
+def cut(row: Row, n: int) -> Row:
+    """`row` with its first `n` tokens only (a partial row's): the positions it keeps inside
+    them stay, and the logits it asked for (its last positions') are not reached."""
+    if not row.partial or not 0 < n <= row.size:
+        raise ValueError(f"cannot cut a {'partial' if row.partial else 'whole'} row of "
+                         f"{row.size} tokens to {n}")  # fmt: skip
+    return row if n == row.size else replace(row, tokens=row.tokens[:n], logits=0)
 
 
 @dataclass
@@ -113,8 +129,7 @@ def _end_capture(caches: list) -> None:
 
 
 def _decoding(row: Row) -> bool:
-    n = row.tokens.size if isinstance(row.tokens, mx.array) else len(row.tokens)
-    return n == 1 and row.logits == 1 and row.caches[0].offset > 0
+    return row.size == 1 and row.logits == 1 and row.caches[0].offset > 0
 
 
 def _batched(model, rows: list[Row]) -> list[tuple[mx.array, Mark]]:

@@ -41,7 +41,7 @@ from starlette.routing import Route
 
 from ..args import shard_rank, speculative_options
 from ..runtime import grammar
-from ..runtime.batch import DEFAULT_MAX_BATCH
+from ..runtime.batch import DEFAULT_MAX_BATCH, DEFAULT_PASS_TOKENS
 from ..runtime.pool import DEFAULT_SEQUENCES
 from ..runtime.worker import Job
 from ..stateless import DEFAULT_MAX_TOKENS, PreparedChat, openai_message
@@ -685,7 +685,8 @@ def _serve(args, sock, folder, sampling, api_key, speculative, shard) -> int:
 
     eng = engine_pkg.load(
         args.model, cache_bytes=args.cache_bytes, quantize=getattr(args, "quantize", None),
-        max_batch=getattr(args, "max_batch", DEFAULT_MAX_BATCH), shard=shard, **speculative,
+        max_batch=getattr(args, "max_batch", DEFAULT_MAX_BATCH),
+        pass_tokens=getattr(args, "pass_tokens", DEFAULT_PASS_TOKENS), shard=shard, **speculative,
     )  # fmt: skip
     disk, stopped_by = None, []
     try:
