@@ -19,10 +19,10 @@ import pytest
 from helpers import QUESTIONS, fresh_greedy
 
 import engine
-from engine.runtime.batch import DEFAULT_PASS_TOKENS, Batch
+from engine.runtime.batch import DEFAULT_PASS_TOKENS, Batch, _Ticket
 from engine.runtime.cache import KVCache
 from engine.runtime.generate import prefill
-from engine.runtime.step import Row, forward
+from engine.runtime.step import Row, cut, forward
 from engine.runtime.worker import Job
 from engine.serving.completion import parse_request
 
@@ -334,6 +334,48 @@ def test_rows_join_a_running_batch_and_a_cancelled_row_disturbs_no_other(eng):
     assert joined[1].events[-1][1].status == 499
     # The cancelled conversation's sequence is valid: the same request again answers as alone.
     check_alone(eng, Request(eng, messages(6), max_tokens=8).turn(), max_tokens=8)
+
+
+class _Offset:
+    offset = 5
+
+
+def _waiting(batch: Batch, rows: list[tuple[str, int, int | None]]) -> dict[int, str]:
+    """File rows by (name, tokens, arrival): arrival None is a decode row, else a prefill
+    chunk of the request that came at that arrival. Returns the names by ticket id."""
+    names = {}
+    for name, n, since in rows:
+        ticket = _Ticket(Row([_Offset()], list(range(n)), partial=since is not None), since or 0)
+        batch._waiting.append(ticket)
+        names[id(ticket)] = name
+    return names
+
+
+def test_a_pass_takes_the_decode_rows_then_the_oldest_prompts_cut_to_the_budget():
+    batch = Batch(model=None, max_rows=8, pass_tokens=100)
+    names = _waiting(batch, [("p1", 80, 2), ("d1", 1, None), ("p0", 60, 1), ("d2", 1, None),
+                             ("p2", 50, 3)])  # fmt: skip
+    taken = batch._take()
+    assert [(names[id(t)], t.row.size) for t in taken] == [("d1", 1), ("d2", 1), ("p0", 60),
+                                                           ("p1", 38)]  # fmt: skip
+    assert taken[3].row.logits == 0 and taken[3].row.tokens == list(range(38))
+    assert [names[id(t)] for t in batch._waiting] == ["p2"]  # 0 tokens left: waits
+
+    batch = Batch(model=None, max_rows=8, pass_tokens=60)  # 30 left: under MIN_CUT, p1 waits
+    names = _waiting(batch, [("d1", 1, None), ("p0", 29, 1), ("p1", 40, 2)])
+    assert [names[id(t)] for t in batch._take()] == ["d1", "p0"]
+    batch = Batch(model=None, max_rows=8, pass_tokens=60)  # but a chunk under it fits
+    names = _waiting(batch, [("d1", 1, None), ("p0", 29, 1), ("p1", 20, 2)])
+    assert [names[id(t)] for t in batch._take()] == ["d1", "p0", "p1"]
+
+    batch = Batch(model=None, max_rows=8, pass_tokens=4)  # decoders over budget: prefill
+    names = _waiting(batch, [("p0", 50, 1)] + [(f"d{i}", 1, None) for i in range(6)])
+    assert [t.row.size for t in batch._take()] == [1] * 6 + [4]  # still progresses
+    batch = Batch(model=None, max_rows=2, pass_tokens=100)  # and max_rows bounds the rows
+    names = _waiting(batch, [("p0", 50, 1)] + [(f"d{i}", 1, None) for i in range(3)])
+    assert [names[id(t)] for t in batch._take()] == ["d0", "d1"]
+    with pytest.raises(ValueError, match="whole row"):
+        cut(Row([_Offset()], [1, 2, 3]), 2)
 
 
 def test_a_prompt_beside_decoding_rows_is_cut_to_the_pass_budget(eng, monkeypatch):
