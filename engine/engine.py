@@ -144,11 +144,12 @@ class Engine:
 
     @property
     def batch_stats(self) -> dict:
-        """Passes the batch ran so far (decode steps, prefill chunks), the rows they carried,
-        the widest."""
+        """Passes the batch ran so far (decode steps, prefill chunks), the rows and tokens
+        they carried, the widest (in rows) and the longest (in tokens: at most
+        `pass_tokens`, see `batch.Batch`)."""
         b = self._batch
-        return {"steps": b.steps, "rows": b.rows, "widest": b.widest} if b else {
-            "steps": 0, "rows": 0, "widest": 0}  # fmt: skip
+        keys = ("steps", "rows", "widest", "tokens", "longest")
+        return {k: getattr(b, k) if b else 0 for k in keys}
 
     def close(self) -> None:
         """Stop the model thread (after its running job); a later call starts a new one.

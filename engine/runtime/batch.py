@@ -73,6 +73,8 @@ class Batch:
         self.steps = 0  # forward passes run
         self.rows = 0  # rows stepped in them (rows / steps: the mean batch size)
         self.widest = 0  # the largest batch stepped
+        self.tokens = 0  # tokens run in them
+        self.longest = 0  # the most tokens in one pass
 
     @property
     def pending(self) -> bool:
@@ -102,6 +104,9 @@ class Batch:
         self.steps += 1
         self.rows += len(tickets)
         self.widest = max(self.widest, len(tickets))
+        size = sum(t.row.size for t in tickets)
+        self.tokens += size
+        self.longest = max(self.longest, size)
 
     def _take(self) -> list[_Ticket]:
         """The next pass's rows, at most `max_rows` and `pass_tokens` tokens: first the rows
