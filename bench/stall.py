@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "load_average": [round(x, 2) for x in os.getloadavg()]})  # fmt: skip
             x = runs[-1]
             print(
-                f"pass_tokens {b:5d}: decoders' gap max {x['gap_max_s']:6.2f} s, p50 "
+                f"pass_tokens {b or 'default':>7}: decoders' gap max {x['gap_max_s']:6.2f} s, p50 "
                 f"{x['gap_p50_s']:5.2f} s | arrivals' TTFT mean {x['ttft_mean_s']:6.2f} s, "
                 f"last {x['last_first_token_s']:6.2f} s | {x['passes']} passes, longest "
                 f"{x['longest_pass']} tokens | load {x.get('load_average')}",

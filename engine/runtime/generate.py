@@ -80,8 +80,9 @@ def prefill_steps(
         if cancelled is not None and cancelled():
             return None, pos
         end = min(len(ids), pos + chunk)
-        step_logits, mark = yield Row(caches, ids[pos:end], logits=int(end == len(ids) and logits),
-                                      keep=[s - pos for s in stops if pos < s < end], partial=True)  # fmt: skip
+        row = Row(caches, ids[pos:end], logits=int(end == len(ids) and logits),
+                  keep=[s - pos for s in stops if pos < s < end], partial=True)  # fmt: skip
+        step_logits, mark = yield row
         end = pos + mark.end - mark.start  # where the pass stopped (a cut row: before `end`)
         inside = sorted(s for s in stops if pos < s <= end)
         if step_logits is not None:
