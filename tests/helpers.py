@@ -8,6 +8,16 @@ from pathlib import Path
 
 from bench.common import fresh_greedy  # noqa: F401  (the fresh-prefill reference)
 
+# A tool, a call of it in an assistant message, and its result: a tool turn's history.
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}}]  # fmt: skip
+CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+]}  # fmt: skip
+RESULT = '{"temp_c": 21}'
+
 SERVER_WINDOW = 4096  # the `server` fixture's context window (small: too-long checks are cheap)
 
 QUESTIONS = [

@@ -16,7 +16,7 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import QUESTIONS, fresh_greedy
+from helpers import CALL, QUESTIONS, RESULT, TOOLS, fresh_greedy
 
 import engine
 from engine.runtime.batch import DEFAULT_PASS_TOKENS, Batch, _Ticket
@@ -455,6 +455,55 @@ def test_concurrent_conversations_reuse_their_caches_as_one_client_does(eng):
                 assert b.stats.reused_tokens > 0  # each conversation kept its own cache
             for e, turn in (("batched", b), ("alone", a)):
                 histories[e][i].append({"role": "assistant", "content": turn.text})
+
+
+VARIANTS = {  # Engine.chat options per conversation; "window" trims from its second turn on
+    "window": {"max_exchanges": 1},  # the last exchange and the new one: trims at turn 3
+    "tools": {"tools": TOOLS},
+    "thinking": {"enable_thinking": True},
+    "stop": {"stop": ["e", "a", "o"]},
+}
+
+
+def test_trimming_tool_thinking_and_stop_turns_batch_and_answer_as_alone(eng, monkeypatch):
+    """Four conversations of three turns, each turn of a round at once through `Engine.chat`
+    from threads: one whose window keeps one earlier exchange (its third turn drops the
+    first, so its prefix changes and its cache restarts from a snapshot), one with tools and
+    a tool call in its history, one
+    thinking, one with stop strings. Reference: the same turns on an engine that runs one
+    request at a time; equal answers and equal reuse."""
+    monkeypatch.setattr("engine.runtime.worker.GATHER_S", 60.0)  # (see the test above)
+    other = engine.load("tiny", max_batch=1)
+    names = list(VARIANTS)
+    chats = {e: {v: [{"role": "system", "content": f"Assistant {v}."}] for v in names}
+             for e in ("batched", "alone")}  # fmt: skip
+    before = eng.batch_stats
+    for t in range(3):
+        for e in chats:
+            for i, v in enumerate(names):
+                user = {"role": "user", "content": QUESTIONS[(2 * i + t) % len(QUESTIONS)]}
+                chats[e][v].append(user)
+                if v == "tools" and t == 1:  # the client's history says the model called
+                    chats[e][v] += [CALL, {"role": "tool", "content": RESULT}]
+        turns: dict[str, object] = {}
+
+        def ask(i, turns=turns):
+            v = names[i]
+            turns[v] = eng.chat(chats["batched"][v], max_tokens=8, warm=False, **VARIANTS[v])
+
+        run_together(eng, ask, len(names))
+        for v in names:
+            alone = other.chat(chats["alone"][v], max_tokens=8, warm=False, **VARIANTS[v])
+            assert turns[v].prompt_ids == alone.prompt_ids, v
+            assert turns[v].token_ids == alone.token_ids, v
+            assert turns[v].text == alone.text and turns[v].finish_reason == alone.finish_reason
+            assert turns[v].stats.reused_tokens == alone.stats.reused_tokens, v
+            for e, turn in (("batched", turns[v]), ("alone", alone)):
+                chats[e][v].append(turn.message())
+        assert turns["window"].stats.dropped_exchanges == max(0, t - 1)  # (1 + the new one)
+        assert not any(c in turns["stop"].text for c in "eao")
+    steps = eng.batch_stats["steps"] - before["steps"]
+    assert eng.batch_stats["rows"] - before["rows"] > steps  # the rows shared passes
 
 
 def test_concurrent_clients_of_the_server_batch_and_answer_as_alone(eng):

@@ -11,21 +11,13 @@ import threading
 
 import httpx
 import pytest
-from helpers import QUESTIONS, fresh_greedy
+from helpers import CALL, QUESTIONS, RESULT, TOOLS, fresh_greedy
 
 import engine
 from engine.serving.completion import parse_request
 from engine.serving.server import BackgroundServer, ServerConfig
 
 MAX_TOKENS = 4
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-}}]  # fmt: skip
-CALL = {"role": "assistant", "content": "", "tool_calls": [
-    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-]}  # fmt: skip
-RESULT = '{"temp_c": 21}'
 
 
 def expected_reuse(previous: list[int], points: set[int], ids: list[int]) -> int:
