@@ -340,32 +340,38 @@ class _Offset:
     offset = 5
 
 
-def _waiting(batch: Batch, rows: list[tuple[str, int, int | None]]) -> dict[int, str]:
-    """File rows by (name, tokens, arrival): arrival None is a decode row, else a prefill
-    chunk of the request that came at that arrival. Returns the names by ticket id."""
+def _waiting(batch: Batch, rows: list[tuple]) -> dict[int, str]:
+    """File rows by (name, tokens, arrival[, prompt tokens left]): arrival None is a decode
+    row, else a prefill chunk of the request that came at that arrival (its whole prompt,
+    unless `left` says more is to come). Returns the names by ticket id."""
     names = {}
-    for name, n, since in rows:
-        ticket = _Ticket(Row([_Offset()], list(range(n)), partial=since is not None), since or 0)
+    for name, n, since, *left in rows:
+        row = Row([_Offset()], list(range(n)), partial=since is not None, left=(left or [n])[0])
+        ticket = _Ticket(row, since or 0)
         batch._waiting.append(ticket)
         names[id(ticket)] = name
     return names
 
 
-def test_a_pass_takes_the_decode_rows_then_the_oldest_prompts_cut_to_the_budget():
+def test_a_pass_takes_the_decode_rows_then_the_shortest_prompts_cut_to_the_budget():
     batch = Batch(model=None, max_rows=8, pass_tokens=100)
-    names = _waiting(batch, [("p1", 80, 2), ("d1", 1, None), ("p0", 60, 1), ("d2", 1, None),
-                             ("p2", 50, 3)])  # fmt: skip
-    taken = batch._take()
+    names = _waiting(batch, [("p1", 80, 2, 500), ("d1", 1, None), ("p0", 60, 1, 500),
+                             ("d2", 1, None), ("p2", 50, 3, 900)])  # fmt: skip
+    taken = batch._take()  # as long a prompt left: the older first
     assert [(names[id(t)], t.row.size) for t in taken] == [("d1", 1), ("d2", 1), ("p0", 60),
                                                            ("p1", 38)]  # fmt: skip
     assert taken[3].row.logits == 0 and taken[3].row.tokens == list(range(38))
     assert [names[id(t)] for t in batch._waiting] == ["p2"]  # 0 tokens left: waits
 
+    batch = Batch(model=None, max_rows=8, pass_tokens=64)  # a short prompt after a long one
+    names = _waiting(batch, [("long", 64, 1, 5000), ("short", 40, 2)])
+    assert [names[id(t)] for t in batch._take()] == ["short"]  # 24 left: under MIN_CUT
+
     batch = Batch(model=None, max_rows=8, pass_tokens=60)  # 30 left: under MIN_CUT, p1 waits
     names = _waiting(batch, [("d1", 1, None), ("p0", 29, 1), ("p1", 40, 2)])
     assert [names[id(t)] for t in batch._take()] == ["d1", "p0"]
     batch = Batch(model=None, max_rows=8, pass_tokens=60)  # but a chunk under it fits
-    names = _waiting(batch, [("d1", 1, None), ("p0", 29, 1), ("p1", 20, 2)])
+    names = _waiting(batch, [("d1", 1, None), ("p0", 29, 1), ("p1", 20, 2, 100)])
     assert [names[id(t)] for t in batch._take()] == ["d1", "p0", "p1"]
 
     batch = Batch(model=None, max_rows=8, pass_tokens=4)  # decoders over budget: prefill
@@ -381,7 +387,8 @@ def test_a_pass_takes_the_decode_rows_then_the_oldest_prompts_cut_to_the_budget(
 def test_a_prompt_beside_decoding_rows_is_cut_to_the_pass_budget(eng, monkeypatch):
     """Two long prompts arrive while two rows decode. Every pass holds at most `pass_tokens`
     tokens, so the prompts go in cut chunks (the stall of the decoding rows is one short pass),
-    the decoding rows are in the passes that prefill, and the older prompt goes first. All
+    the decoding rows are in the passes that prefill, and the prompt with less left to
+    prefill goes first (the older of two as long). All
     answer as alone, and the next turn reuses the snapshots taken inside cut chunks as a
     conversation played alone does."""
     budget, passes, take = 40, [], Batch._take
@@ -418,7 +425,7 @@ def test_a_prompt_beside_decoding_rows_is_cut_to_the_pass_budget(eng, monkeypatc
         p for p in passes if any(t.row.partial for t in p) and any(not t.row.partial for t in p)
     ]
     assert max(sum(not t.row.partial for t in p) for p in mixed) >= 2
-    assert firsts == [0, 1]
+    assert firsts == sorted(range(2), key=lambda i: (len(turns[2 + i].prompt_ids), i))
 
     other = engine.load("tiny", max_batch=1)  # the same two turns alone
     alone = [Request(other, _long_chat(0)).turn()]

@@ -51,7 +51,7 @@ WAIT = _Wait()
 @dataclass
 class _Ticket:
     row: Row
-    since: int  # when its coroutine came to this batch: older prefills go first
+    since: int  # when its coroutine came to this batch: of prompts as long, the older first
     result: tuple[mx.array, Mark] | None = None
     error: BaseException | None = None  # the step failed for this row: raised in its loop
 
@@ -111,14 +111,17 @@ class Batch:
     def _take(self) -> list[_Ticket]:
         """The next pass's rows, at most `max_rows` and `pass_tokens` tokens: first the rows
         that decode or verify (a token or a few each: the rows a long pass would stall), then
-        the prefill chunks in the room left, the oldest request's first (one prompt done
-        soon, not all of them late), the last one cut to fit (`step.cut`). What does not fit
-        waits for the next pass. The first chunk gets at least `MIN_CUT` tokens whatever the
-        other rows take: prefills always progress."""
+        the prefill chunks in the room left, the prompt with the fewest tokens left first
+        (then the oldest): prompts that arrive together finish one by one, not all of them
+        late, and a short prompt is not held behind a long one. The last chunk taken is cut
+        to fit (`step.cut`); what does not fit waits for the next pass. The first chunk gets
+        at least `MIN_CUT` tokens whatever the other rows take: prefills always progress."""
         taken = [t for t in self._waiting if not t.row.partial][: self.max_rows]
         room = self.pass_tokens - sum(t.row.size for t in taken)
         first = True
-        for t in sorted((t for t in self._waiting if t.row.partial), key=lambda t: t.since):
+        prefills = sorted((t for t in self._waiting if t.row.partial),
+                          key=lambda t: (t.row.left, t.since))  # fmt: skip
+        for t in prefills:
             if first:
                 room, first = max(room, min(MIN_CUT, self.pass_tokens)), False
             elif room < min(MIN_CUT, t.row.size):

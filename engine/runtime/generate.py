@@ -81,7 +81,8 @@ def prefill_steps(
             return None, pos
         end = min(len(ids), pos + chunk)
         row = Row(caches, ids[pos:end], logits=int(end == len(ids) and logits),
-                  keep=[s - pos for s in stops if pos < s < end], partial=True)  # fmt: skip
+                  keep=[s - pos for s in stops if pos < s < end], partial=True,
+                  left=len(ids) - pos)  # fmt: skip
         step_logits, mark = yield row
         end = pos + mark.end - mark.start  # where the pass stopped (a cut row: before `end`)
         inside = sorted(s for s in stops if pos < s <= end)

@@ -34,8 +34,9 @@ class Row:
     logits: int = 1  # trailing positions whose logits the row wants (0: none)
     keep: Iterable[int] = ()  # positions inside the step (relative, 0 < p < n) to keep states at
     # A prefill chunk: the runner may feed a prefix of `tokens` only (`cut`); the Mark's end
-    # says how far it went.
+    # says how far it went. `left`: the prompt's tokens still to feed, this row's included.
     partial: bool = False
+    left: int = 0
 
     @property
     def size(self) -> int:
