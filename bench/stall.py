@@ -8,7 +8,9 @@ per run, so nothing is reused across runs), it reports the decoders' gaps betwee
 pieces while the arrivals are served (the longest, and the median: the stall the budget
 bounds; a piece can take two steps, when a token completes no text), each arrival's time to
 first token and their mean, the time until the last first token, and the batch's passes (how
-many, the most tokens in one). `--repeats` runs the budgets round by round, in turn, so the
+many, the most tokens in one). `--late-tokens N` sends one more request, with a prompt of
+about N tokens, once the arrivals' prefill has run two passes: with `--arrivals 1
+--prompt-tokens 2000 --late-tokens 60`, how long a short prompt waits behind a long one. `--repeats` runs the budgets round by round, in turn, so the
 ratios share the moments of a noisy machine. Prints a table, then JSON (`--json` writes it).
 """
 
@@ -38,7 +40,7 @@ def run(folder: str, pass_tokens: int, args, salt: int) -> dict:
     eng.chat([{"role": "user", "content": "warm up"}], max_tokens=2)
     streaming = [threading.Event() for _ in range(args.decoders)]
     stamps: list[list[float]] = [[] for _ in range(args.decoders)]
-    ttft: list[float | None] = [None] * args.arrivals
+    ttft: list[float | None] = [None] * (args.arrivals + bool(args.late_tokens))
 
     def decoder(k: int) -> None:
         chat = [{"role": "user", "content": f"Run {salt}, decoder {k}: tell a long story."}]
@@ -49,8 +51,8 @@ def run(folder: str, pass_tokens: int, args, salt: int) -> dict:
                     streaming[k].set()
         streaming[k].set()  # (an answer shorter than three pieces: go on all the same)
 
-    def arrival(k: int) -> None:
-        chat = [{"role": "system", "content": _words(salt, k, args.prompt_tokens)},
+    def arrival(k: int, tokens: int) -> None:
+        chat = [{"role": "system", "content": _words(salt, k, tokens)},
                 {"role": "user", "content": "Hello."}]  # fmt: skip
         start = time.perf_counter()
         for piece in eng.chat_stream(chat, max_tokens=4):
@@ -63,9 +65,17 @@ def run(folder: str, pass_tokens: int, args, salt: int) -> dict:
     for e in streaming:
         e.wait()
     before, came = eng.batch_stats, time.perf_counter()
-    arrivals = [threading.Thread(target=arrival, args=(k,)) for k in range(args.arrivals)]
+    arrivals = [threading.Thread(target=arrival, args=(k, args.prompt_tokens))
+                for k in range(args.arrivals)]  # fmt: skip
     for t in arrivals:
         t.start()
+    if args.late_tokens:  # once the arrivals' prefill has run two passes
+        while eng.batch_stats["steps"] < before["steps"] + 2 and any(
+            a.is_alive() for a in arrivals
+        ):
+            time.sleep(0.01)
+        arrivals.append(threading.Thread(target=arrival, args=(args.arrivals, args.late_tokens)))
+        arrivals[-1].start()
     for t in arrivals:
         t.join()
     served = time.perf_counter()
@@ -80,8 +90,9 @@ def run(folder: str, pass_tokens: int, args, salt: int) -> dict:
         "gap_max_s": max(gaps, default=float("nan")),
         "gap_p50_s": statistics.median(gaps) if gaps else float("nan"),
         "gaps": len(gaps),
-        "ttft_s": ttft,
-        "ttft_mean_s": statistics.mean(t for t in ttft if t is not None),
+        "ttft_s": ttft[: args.arrivals],
+        "ttft_mean_s": statistics.mean(t for t in ttft[: args.arrivals] if t is not None),
+        "late_ttft_s": ttft[args.arrivals] if args.late_tokens else None,
         "last_first_token_s": served - came,
         "passes": after["steps"] - before["steps"],
         "longest_pass": after.get("longest"),  # (older builds did not count it)
@@ -100,6 +111,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--arrivals", type=int, default=4)
     p.add_argument("--prompt-tokens", type=int, default=600, help="each arrival's prompt, about")
     p.add_argument("--max-tokens", type=int, default=160, help="each decoder's answer")
+    p.add_argument(
+        "--late-tokens",
+        type=int,
+        default=0,
+        help="one more request, of about this many tokens, once the arrivals' "
+        "prefill has run two passes: its time to first token (late_ttft_s)",
+    )
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -115,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
                 f"pass_tokens {b or 'default':>7}: decoders' gap max {x['gap_max_s']:6.2f} s, p50 "
                 f"{x['gap_p50_s']:5.2f} s | arrivals' TTFT mean {x['ttft_mean_s']:6.2f} s, "
                 f"last {x['last_first_token_s']:6.2f} s | {x['passes']} passes, longest "
-                f"{x['longest_pass']} tokens | load {x.get('load_average')}",
+                f"{x['longest_pass']} tokens | late TTFT {x['late_ttft_s'] or 0:.2f} s | "
+                f"load {x.get('load_average')}",
                 flush=True,
             )
     result = {"model": args.model, "decoders": args.decoders, "arrivals": args.arrivals,
