@@ -36,7 +36,8 @@ def run(folder: str, pass_tokens: int, args, salt: int) -> dict:
     import engine
 
     budget = {} if pass_tokens is None else {"pass_tokens": pass_tokens}  # None: the default
-    eng = engine.load(folder, max_batch=args.decoders + args.arrivals, **budget)
+    tasks = args.decoders + args.arrivals + bool(args.late_tokens)
+    eng = engine.load(folder, max_batch=tasks, **budget)
     eng.chat([{"role": "user", "content": "warm up"}], max_tokens=2)
     streaming = [threading.Event() for _ in range(args.decoders)]
     stamps: list[list[float]] = [[] for _ in range(args.decoders)]
