@@ -7,8 +7,10 @@ here and its task yields `WAIT`; once every task has had its turn, the worker ru
 `Batch.step`: one forward pass for all the rows filed (`step.forward` stacks rows that each
 decode one token, and packs any other mix end to end), and each loop takes its logits and
 goes on. Rows join the moment their prompt is in and leave when they finish, without waiting
-for the others; a prompt's chunks are small while others decode, so they keep streaming, and
-prompts that arrive together prefill in the same passes.
+for the others. A pass runs at most `pass_tokens` tokens: the decode rows, then prompts'
+chunks cut to the room left (`Batch._take`), so rows keep streaming while a long prompt is
+prefilled, each stalled for one bounded pass at a time, and prompts that arrive together
+prefill in the same passes.
 
 Every row keeps its own caches (a row's KV cache has its own length; each row's Gated
 DeltaNet state is read and written as its own array by the fused CPU kernel, stacked for the
