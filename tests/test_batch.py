@@ -384,6 +384,17 @@ def test_a_pass_takes_the_decode_rows_then_the_shortest_prompts_cut_to_the_budge
         cut(Row([_Offset()], [1, 2, 3]), 2)
 
 
+@pytest.mark.parametrize("bad", [0, -5, True, 2.5, "8", None])
+def test_bad_batch_settings_are_refused_by_name_and_change_nothing(eng, bad):
+    before = (eng.max_batch, eng.pass_tokens)
+    with pytest.raises(ValueError, match="max_batch"):
+        eng.set_max_batch(bad)
+    with pytest.raises(ValueError, match="pass_tokens"):
+        eng.set_pass_tokens(bad)
+    assert (eng.max_batch, eng.pass_tokens) == before
+    assert (eng.worker.batch.max_rows, eng.worker.batch.pass_tokens) == before
+
+
 def test_a_prompt_beside_decoding_rows_is_cut_to_the_pass_budget(eng, monkeypatch):
     """Two long prompts arrive while two rows decode. Every pass holds at most `pass_tokens`
     tokens, so the prompts go in cut chunks (the stall of the decoding rows is one short pass),
