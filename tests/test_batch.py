@@ -19,7 +19,7 @@ import pytest
 from helpers import CALL, QUESTIONS, RESULT, TOOLS, fresh_greedy
 
 import engine
-from engine.runtime.batch import DEFAULT_PASS_TOKENS, Batch, _Ticket
+from engine.runtime.batch import DEFAULT_PASS_TOKENS, PATIENCE, Batch, _Arrival, _Ticket
 from engine.runtime.cache import KVCache
 from engine.runtime.generate import prefill
 from engine.runtime.step import Row, cut, forward
@@ -347,7 +347,7 @@ def _waiting(batch: Batch, rows: list[tuple]) -> dict[int, str]:
     names = {}
     for name, n, since, *left in rows:
         row = Row([_Offset()], list(range(n)), partial=since is not None, left=(left or [n])[0])
-        ticket = _Ticket(row, since or 0)
+        ticket = _Ticket(row, _Arrival(since or 0))
         batch._waiting.append(ticket)
         names[id(ticket)] = name
     return names
@@ -366,6 +366,12 @@ def test_a_pass_takes_the_decode_rows_then_the_shortest_prompts_cut_to_the_budge
     batch = Batch(model=None, max_rows=8, pass_tokens=64)  # a short prompt after a long one
     names = _waiting(batch, [("long", 64, 1, 5000), ("short", 40, 2)])
     assert [names[id(t)] for t in batch._take()] == ["short"]  # 24 left: under MIN_CUT
+    for i in range(PATIENCE - 1):  # short ones keep coming: the long one waits...
+        names |= _waiting(batch, [(f"short{i}", 40, 3 + i)])
+        assert [names[id(t)] for t in batch._take()] == [f"short{i}"]
+    names |= _waiting(batch, [("short9", 40, 99)])  # ...PATIENCE passes, then goes first
+    assert [(names[id(t)], t.row.size) for t in batch._take()] == [("long", 64)]
+    assert [names[id(t)] for t in batch._take()] == ["short9"]
 
     batch = Batch(model=None, max_rows=8, pass_tokens=60)  # 30 left: under MIN_CUT, p1 waits
     names = _waiting(batch, [("d1", 1, None), ("p0", 29, 1), ("p1", 40, 2)])

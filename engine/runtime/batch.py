@@ -36,6 +36,7 @@ DEFAULT_MAX_BATCH = 8
 # the best prefill speed, which 512-token chunks reach; see BENCHMARKS "The pass budget").
 DEFAULT_PASS_TOKENS = 256
 MIN_CUT = 32  # a prefill chunk cut shorter than this waits for the next pass instead
+PATIENCE = 8  # passes a prompt waits while others with less left go first; then it goes first
 
 
 class _Wait:
@@ -51,9 +52,17 @@ WAIT = _Wait()
 
 
 @dataclass
+class _Arrival:
+    """One step coroutine's place in the batch's queue, shared by all its rows' tickets."""
+
+    order: int  # when it came: of prompts with as much left, the older goes first
+    passed_over: int = 0  # passes in a row that ran without its waiting prefill chunk
+
+
+@dataclass
 class _Ticket:
     row: Row
-    since: int  # when its coroutine came to this batch: of prompts as long, the older first
+    arrival: _Arrival
     result: tuple[mx.array, Mark] | None = None
     error: BaseException | None = None  # the step failed for this row: raised in its loop
 
@@ -115,14 +124,16 @@ class Batch:
         that decode or verify (a token or a few each: the rows a long pass would stall), then
         the prefill chunks in the room left, the prompt with the fewest tokens left first
         (then the oldest): prompts that arrive together finish one by one, not all of them
-        late, and a short prompt is not held behind a long one. The last chunk taken is cut
-        to fit (`step.cut`); what does not fit waits for the next pass. The first chunk gets
-        at least `MIN_CUT` tokens whatever the other rows take: prefills always progress."""
+        late, and a short prompt is not held behind a long one. A prompt passed over
+        `PATIENCE` passes in a row goes first, so short ones arriving without end do not
+        starve a long one. The last chunk taken is cut to fit (`step.cut`); what does not
+        fit waits for the next pass. The first chunk gets at least `MIN_CUT` tokens whatever
+        the other rows take: prefills always progress."""
         taken = [t for t in self._waiting if not t.row.partial][: self.max_rows]
         room = self.pass_tokens - sum(t.row.size for t in taken)
         first = True
-        prefills = sorted((t for t in self._waiting if t.row.partial),
-                          key=lambda t: (t.row.left, t.since))  # fmt: skip
+        prefills = sorted((t for t in self._waiting if t.row.partial), key=lambda t: (
+            t.arrival.passed_over < PATIENCE, t.row.left, t.arrival.order))  # fmt: skip
         for t in prefills:
             if first:
                 room, first = max(room, min(MIN_CUT, self.pass_tokens)), False
@@ -136,6 +147,8 @@ class Batch:
             taken.append(t)
         chosen = set(map(id, taken))
         self._waiting = [t for t in self._waiting if id(t) not in chosen]
+        for t in prefills:
+            t.arrival.passed_over = 0 if id(t) in chosen else t.arrival.passed_over + 1
         return taken
 
     def decode(self, model, caches: list, logits: mx.array, sampler, **options) -> Iterator:
@@ -156,12 +169,12 @@ class Batch:
         """Run a step coroutine (`generate.decode_steps`, `generate.prefill_steps`) with its
         passes in this batch's steps: yields its other items, and `WAIT` while its row waits
         for a step; returns what it returns. Closing it rolls back a step it was not given."""
-        ticket, since = None, next(self._arrivals)
+        ticket, arrival = None, _Arrival(next(self._arrivals))
         try:
             item = next(steps)
             while True:
                 if isinstance(item, Row):
-                    ticket = _Ticket(item, since)
+                    ticket = _Ticket(item, arrival)
                     self._waiting.append(ticket)
                     while ticket.result is None and ticket.error is None:
                         yield WAIT
