@@ -22,6 +22,7 @@ import engine
 from engine.runtime.batch import DEFAULT_PASS_TOKENS, PATIENCE, Batch, _Arrival, _Ticket
 from engine.runtime.cache import KVCache
 from engine.runtime.generate import prefill
+from engine.runtime.model import GatedDeltaNet
 from engine.runtime.step import Row, cut, forward
 from engine.runtime.worker import Job
 from engine.serving.completion import parse_request
@@ -149,22 +150,27 @@ def _ids(n: int, seed: int) -> list[int]:
     return [(31 * seed + 7 * j) % 3000 + 100 for j in range(n)]
 
 
-def test_a_packed_step_of_prefill_chunks_and_decode_rows_equals_each_row_alone(eng):
+def test_a_packed_step_of_prefill_chunks_and_decode_rows_equals_each_row_alone(eng, monkeypatch):
     """Rows of any length in one pass (`model.packed`): a fresh prefill with snapshots inside
     it, a short one, a decode step, a chunk without logits. Reference: each row alone."""
     model = eng.model
-    packed, alone = [model.make_caches() for _ in range(4)], [model.make_caches() for _ in range(4)]
+    packed, alone = [model.make_caches() for _ in range(5)], [model.make_caches() for _ in range(5)]
     for caches in (packed, alone):
         prefill(model, caches[2], _ids(50, 3), 0)
         prefill(model, caches[3], _ids(20, 4), 0)
+        prefill(model, caches[4], _ids(9, 6), 0)
 
-    def rows(c):
+    def rows(c):  # (the two one-token rows go through the decode step's math together)
         return [Row(c[0], _ids(30, 1), logits=2, keep=[5, 17]), Row(c[1], _ids(7, 2)),
-                Row(c[2], [11]), Row(c[3], _ids(64, 5), logits=0, keep=[1])]  # fmt: skip
+                Row(c[2], [11]), Row(c[3], _ids(64, 5), logits=0, keep=[1]),
+                Row(c[4], [12])]  # fmt: skip
 
+    grouped, real = [], GatedDeltaNet._rows_compiled
+    monkeypatch.setattr(GatedDeltaNet, "_rows_compiled", lambda m: grouped.append(m) or real(m))
     together = forward(model, rows(packed))
+    assert len(grouped) == sum(layer.is_linear for layer in model.layers)
     singles = [forward(model, [row])[0] for row in rows(alone)]
-    for (lp, mp), (ls, ms), want in zip(together, singles, (2, 1, 1, 0)):
+    for (lp, mp), (ls, ms), want in zip(together, singles, (2, 1, 1, 0, 1)):
         if want:
             assert lp.shape == ls.shape == (want, model.arch.vocab_size)
             assert mx.abs(lp - ls).max().item() < 1e-4

@@ -72,6 +72,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(self.dv, a.rms_norm_eps)
         self.out_proj = nn.Linear(self.hv * self.dv, a.hidden_size, bias=False)
         self.joined = None  # qkv, z, b, a as one product in decode (runtime.fused)
+        self._rows_step = None  # `_rows` compiled, made at first use (see packed)
 
     def _inputs(self, x: mx.array) -> list[mx.array]:
         """qkv, z, b and a of one token `x [B, H]`."""
@@ -83,12 +84,32 @@ class GatedDeltaNet(nn.Module):
         return self.packed(x, [(0, x.shape[1])], [cache])
 
     def packed(self, x: mx.array, spans: list[tuple[int, int]], caches: list) -> mx.array:
-        """Several rows' tokens packed along T (`x [B, T, H]`, row i at `x[:, s_i:e_i]` with
+        """Several rows' tokens packed along T (`x [1, T, H]`, row i at `x[:, s_i:e_i]` with
         its own cache `caches[i]`): the projections run once over all of them, the conv and
-        the delta rule per row."""
+        the delta rule per row, except that rows decoding one token go together through the
+        decode step's own math (`_rows`, compiled), as in a batched decode step."""
         products = (self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x))
-        ys = [self._mix(*(p[:, s:e] for p in products), c) for (s, e), c in zip(spans, caches)]
+        ys: list = [None] * len(spans)
+        ones = [i for i, ((s, e), c) in enumerate(zip(spans, caches))
+                if e - s == 1 and c.conv is not None and not c.capture]  # fmt: skip
+        if len(ones) > 1:
+            at = mx.array([spans[i][0] for i in ones])
+            tails = mx.concatenate([caches[i].conv for i in ones])
+            y, tails, states = self._rows_compiled()(
+                *(p[0, at] for p in products), tails, [caches[i].state for i in ones]
+            )
+            for j, i in enumerate(ones):
+                caches[i].update(tails[j : j + 1], states[j], 1)
+                ys[i] = y[None, j : j + 1]
+        for i, ((s, e), c) in enumerate(zip(spans, caches)):
+            if ys[i] is None:
+                ys[i] = self._mix(*(p[:, s:e] for p in products), c)
         return self.out_proj(ys[0] if len(ys) == 1 else mx.concatenate(ys, axis=1))
+
+    def _rows_compiled(self):
+        if self._rows_step is None:
+            self._rows_step = mx.compile(self._rows, inputs=self)
+        return self._rows_step
 
     def _mix(self, qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
              cache: RecurrentCache) -> mx.array:  # fmt: skip
@@ -139,9 +160,15 @@ class GatedDeltaNet(nn.Module):
         and the delta states (`states[i]` `[b_i, Hv, Dv, Dk]`, B rows in all: each row of a
         batch keeps its own, see `gated_delta_rows`): the same math as `__call__`, as a pure
         function for `mx.compile`; returns (output `[B, H]`, new tail, new states)."""
-        B = x.shape[0]
+        y, tail, states = self._rows(*self._inputs(x), tail, states)
+        return self.out_proj(y), tail, states
+
+    def _rows(self, qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, tail: mx.array,
+              states: list[mx.array]):  # fmt: skip
+        """`decode` after the projections (qkv `[B, C]`, z `[B, Hv*Dv]`, b and a `[B, Hv]`):
+        the gated output `[B, Hv*Dv]` before `out_proj`, the new tail and states."""
+        B = qkv.shape[0]
         f32 = mx.float32
-        qkv, z, b, a = self._inputs(x)  # [B, C], [B, Hv*Dv], [B, Hv], [B, Hv]
         window = mx.concatenate([tail, qkv[:, None]], axis=1)  # [B, K, C]
         native = self.options.native_activations
         conv = conv_silu(window, self.conv_weight, native=native)[:, 0]  # [B, C]
@@ -159,8 +186,8 @@ class GatedDeltaNet(nn.Module):
         y, states = gated_delta_rows(q, k, v, g, beta, states, method=method)
         z = z.reshape(B, 1, self.hv, self.dv)
         y = _rms_norm(y, self.norm.weight, self.eps)
-        y = silu_mul(z.astype(f32), y.astype(f32), native=native).astype(x.dtype)
-        return self.out_proj(y.reshape(B, -1)), mx.contiguous(window[:, 1:]), states
+        y = silu_mul(z.astype(f32), y.astype(f32), native=native).astype(qkv.dtype)
+        return y.reshape(B, -1), mx.contiguous(window[:, 1:]), states
 
 
 def _tail(window: mx.array, start: int, n: int) -> mx.array:
