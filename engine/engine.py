@@ -118,8 +118,7 @@ class Engine:
 
     def set_max_batch(self, n: int) -> None:
         """Decode at most `n` generations together (and start at most `n` at once)."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"max_batch must be an integer >= 1, got {n!r}")
+        _check_count("max_batch", n)
         self.max_batch = n
         if self._batch is not None:
             self._batch.max_rows = n
@@ -129,8 +128,7 @@ class Engine:
     def set_pass_tokens(self, n: int) -> None:
         """Run at most `n` tokens in one forward pass: prefill chunks are cut to fit beside
         the rows decoding, whose stall per step that bounds."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"pass_tokens must be an integer >= 1, got {n!r}")
+        _check_count("pass_tokens", n)
         self.pass_tokens = n
         if self._batch is not None:
             self._batch.pass_tokens = n
@@ -266,6 +264,12 @@ class Engine:
         from .session import Session
 
         return Session(self, system=system, **options)
+
+
+def _check_count(name: str, n) -> None:
+    """A setting that counts something (rows, tokens) must be an int >= 1 (not a bool)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {n!r}")
 
 
 def load(
