@@ -42,6 +42,14 @@ class Row:
     def size(self) -> int:
         return self.tokens.size if isinstance(self.tokens, mx.array) else len(self.tokens)
 
+    @property
+    def ids(self) -> mx.array:
+        """`tokens` as an array `[n]` (one already 1-D as it is: no node added to the step)."""
+        t = self.tokens
+        if not isinstance(t, mx.array):
+            return mx.array(t)
+        return t if t.ndim == 1 else t.reshape(-1)
+
 
 def cut(row: Row, n: int) -> Row:
     """`row` with its first `n` tokens only (a partial row's): the positions it keeps inside
@@ -77,7 +85,7 @@ def forward(model, rows: list[Row]) -> list[tuple[mx.array | None, Mark]]:
     out, marks = [], []
     with _all_or_none(rows, marks):
         for row in rows:
-            ids = row.tokens if isinstance(row.tokens, mx.array) else mx.array(row.tokens)
+            ids = row.ids
             mark, keep = _begin(row, ids.shape[0])
             marks.append(mark)
             try:
@@ -135,10 +143,7 @@ def _decoding(row: Row) -> bool:
 
 def _batched(model, rows: list[Row]) -> list[tuple[mx.array, Mark]]:
     """One decode step for every row in one pass: per row, logits `[1, V]` and its Mark."""
-    ids = mx.concatenate([
-        (r.tokens if isinstance(r.tokens, mx.array) else mx.array(r.tokens)).reshape(1)
-        for r in rows
-    ])  # fmt: skip
+    ids = mx.concatenate([r.ids for r in rows])
     marks = [Mark(r.caches[0].offset, r.caches[0].offset + 1, [c.snapshot() for c in r.caches])
              for r in rows]  # fmt: skip
     with _all_or_none(rows, marks):
@@ -149,7 +154,7 @@ def _batched(model, rows: list[Row]) -> list[tuple[mx.array, Mark]]:
 def _packed(model, rows: list[Row]) -> list[tuple[mx.array | None, Mark]]:
     """Any mix of rows (prefill chunks, decode steps, verify passes) in one pass, their tokens
     packed end to end (`model.packed`): the products read the weights once for all of them."""
-    ids = [r.tokens if isinstance(r.tokens, mx.array) else mx.array(r.tokens) for r in rows]
+    ids = [r.ids for r in rows]
     spans, marks, keeps, at = [], [], [], 0
     for r, row_ids in zip(rows, ids):
         spans.append((at, at + row_ids.size))
@@ -159,7 +164,7 @@ def _packed(model, rows: list[Row]) -> list[tuple[mx.array | None, Mark]]:
         keeps.append(keep)
     try:
         with _all_or_none(rows, marks):
-            packed = mx.concatenate([i.reshape(-1) for i in ids])
+            packed = mx.concatenate(ids)
             h = model.packed(packed, spans, [r.caches for r in rows])
             wanted = [(e, r.logits) for (_, e), r in zip(spans, rows) if r.logits]
             logits = None
