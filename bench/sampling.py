@@ -3,8 +3,10 @@
 Run: ``chatml bench sampling [--vocab 248320] [--repeats 30] [--json FILE]``.
 
 One sampled pick from a vector of `--vocab` random logits (Qwen3.5's vocabulary by default),
-with Qwen's recommended cuts and each cut alone: this engine's ``Sampler.pick`` (the cuts,
-then a categorical draw) against mlx-lm's ``make_sampler`` with the same options (given
+with Qwen's recommended cuts, each cut alone and the temperature alone: this engine's
+``Sampler.pick`` (on the CPU one native pass, ``kernels/native/sampling.cpp``), the same cuts
+through MLX's ops (``final_logits`` then a categorical draw: the path on a GPU or with
+``CHATML_NATIVE=0``), and mlx-lm's ``make_sampler`` with the same options (given
 log-probabilities, as ``mlx_lm.generate`` computes them first: that ``logsumexp`` is timed
 with it), and greedy ``argmax`` as the floor. Mean milliseconds over `--repeats` picks, all
 in one process, interleaved per configuration; the table ends with one JSON line.
@@ -21,6 +23,7 @@ CUTS = {  # name -> (top_k, top_p)
     "top_k 20 + top_p 0.95": (20, 0.95),
     "top_k 20": (20, 1.0),
     "top_p 0.95": (0, 0.95),
+    "temperature alone": (0, 1.0),
 }
 
 
@@ -46,8 +49,13 @@ def measure(vocab: int, repeats: int, temperature: float = 0.7) -> dict:
     for name, (top_k, top_p) in CUTS.items():
         ours = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=0))
         theirs = make_sampler(temp=temperature, top_k=top_k, top_p=top_p if top_p < 1 else 0.0)
+
+        def mlx_ops(s=ours):
+            return mx.random.categorical(s.final_logits(logits), key=s.subkey())
+
         out[name] = {
-            "chatml_ms": round(_mean_ms(lambda s=ours: s.pick(logits), repeats), 2),
+            "chatml_ms": round(_mean_ms(lambda s=ours: s.pick(logits), repeats), 3),
+            "mlx_ops_ms": round(_mean_ms(mlx_ops, repeats), 2),
             "mlx_lm_ms": round(
                 _mean_ms(lambda f=theirs: f(logits - mx.logsumexp(logits)), repeats), 2
             ),
@@ -71,10 +79,10 @@ def main() -> None:
               "conditions": conditions(), "sampling": r}  # fmt: skip
     print(f"one pick over {a.vocab} logits, mean of {a.repeats}; greedy argmax "
           f"{r['greedy_argmax_ms']:.2f} ms")  # fmt: skip
-    print(f"  {'cuts':<24}{'chatml':>10}{'mlx-lm':>10}{'mlx-lm/chatml':>15}")
+    print(f"  {'cuts':<24}{'chatml':>10}{'MLX ops':>11}{'mlx-lm':>10}{'mlx-lm/chatml':>15}")
     for name in CUTS:
-        c, m = r[name]["chatml_ms"], r[name]["mlx_lm_ms"]
-        print(f"  {name:<24}{c:>8.2f} ms{m:>7.2f} ms{m / c:>14.2f}x")
+        c, o, m = (r[name][k] for k in ("chatml_ms", "mlx_ops_ms", "mlx_lm_ms"))
+        print(f"  {name:<24}{c:>8.2f} ms{o:>8.2f} ms{m:>7.2f} ms{m / c:>14.2f}x")
     print(json.dumps({"bench": "sampling", **result}))
     write_json(a.json, result)
 

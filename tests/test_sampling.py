@@ -163,3 +163,101 @@ def test_top_p_keeps_tokens_tied_at_the_boundary_together(top_k):
     params = SamplingParams(temperature=1.0, top_p=0.6, top_k=top_k)
     kept = ~mx.isinf(Sampler(params).final_logits(logits))
     assert kept.tolist() == [True, True, False, True]
+
+
+# The native pick (kernels/native/sampling.cpp): the cuts above, then the inverse CDF at u in
+# index order. Against the float64 reference, a pick counts when it is robust: the same token
+# for u and the cut parameters nudged by 1e-5 relative either way (the kernel rounds in
+# float32, so a u or a probability that close to a boundary may land on either side).
+NUDGE = 1e-5
+
+
+def draw_reference(logits, u, temperature, top_k, min_p, top_p) -> int | None:
+    """The token the inverse CDF picks at `u`, or None if a nudge would change it."""
+
+    def draw(u, min_p, top_p):
+        x = cuts_reference(logits, temperature, top_k, min_p, min(top_p, 1.0))
+        w = np.exp(x - x.max())
+        run = np.cumsum(w)
+        return int(np.argmax(run > u * run[-1]))
+
+    picks = {draw(u * (1 + d), min_p * (1 + e), top_p if top_p == 1 else top_p * (1 + e))
+             for d in (-NUDGE, 0, NUDGE) for e in (-NUDGE, 0, NUDGE)}  # fmt: skip
+    return picks.pop() if len(picks) == 1 else None
+
+
+@pytest.mark.parametrize("top_k, min_p, top_p", [*CUTS, (0, 0.0, 1.0)])
+@pytest.mark.parametrize("vocab", [257, 5000])
+def test_native_pick_matches_the_float64_draw(mod, top_k, min_p, top_p, vocab):
+    """Random and tie-heavy logits, each at a spread of u: the kernel picks the reference's
+    token wherever that token is robust, and at least 90% of the cases are."""
+    rng = np.random.default_rng(vocab + top_k)
+    robust = 0
+    cases = 0
+    for trial in range(6):
+        logits = rng.normal(0.0, 2.0 + trial, vocab).astype(np.float32)
+        if trial % 2:
+            logits = np.round(logits, 0)  # many ties, at the k-th value too
+        for u in rng.uniform(0.0, 1.0, 8).astype(np.float32):
+            want = draw_reference(logits, float(u), 0.7, top_k, min_p, top_p)
+            cases += 1
+            if want is None:
+                continue
+            got = mod.sample(mx.array(logits), mx.array(u), 0.7, top_k, top_p, min_p).item()
+            assert got == want, (trial, float(u))
+            robust += 1
+    assert robust >= 0.9 * cases
+
+
+def test_native_pick_edges(mod):
+    """Masked vocabularies (a grammar), every value tied, u at the ends, and rows of a batch."""
+    masked = np.full(3000, -np.inf, dtype=np.float32)
+    masked[[7, 900, 2999]] = [1.0, 3.0, 2.0]
+    for u in (0.0, 0.5, 0.99):
+        want = draw_reference(masked, u, 1.0, 20, 0.0, 0.9)  # k beyond the finite values
+        assert mod.sample(mx.array(masked), mx.array(u), 1.0, 20, 0.9).item() == want
+    assert mod.sample(mx.full((10,), -mx.inf), mx.array(0.5), 1.0, 5).item() == 0  # nothing
+    # 50,000 tied values with top_k 20 keep all of them (ties stay): u = 0.5 is the middle
+    assert mod.sample(mx.zeros(50_000), mx.array(0.5), 1.0, 20).item() == 25_000
+    assert mod.sample(mx.zeros(100), mx.array(0.0), 1.0).item() == 0
+    rows = mx.random.normal((5, 4096), key=mx.random.key(1)) * 3
+    us = mx.array([0.1, 0.3, 0.5, 0.7, 0.9])
+    batch = mod.sample(rows, us, 0.8, 20, 0.95).tolist()
+    assert batch == [mod.sample(rows[i], us[i], 0.8, 20, 0.95).item() for i in range(5)]
+    with pytest.raises(ValueError, match="one u per row"):
+        mod.sample(rows, us[:3], 0.8)
+    with pytest.raises(ValueError, match="temperature"):
+        mod.sample(rows, us, 0.0)
+
+
+def test_seeded_picks_follow_the_distribution(mod):
+    """4,000 seeded picks through `Sampler` (the native pass on the CPU) land on each kept
+    token as often as the reference's probabilities say, and never on a cut one."""
+    logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0, 3.0, -0.5, 1.5], dtype=np.float32)
+    x = cuts_reference(logits, 0.9, 5, 0.0, 0.9)
+    want = np.exp(x - x.max())
+    want /= want.sum()
+    sampler = Sampler(SamplingParams(temperature=0.9, top_k=5, top_p=0.9, seed=7))
+    picks = mx.stack([sampler.pick(mx.array(logits)) for _ in range(4000)])
+    freq = np.bincount(np.array(picks), minlength=len(logits)) / 4000
+    assert (freq[want == 0] == 0).all()
+    assert np.abs(freq - want).max() < 0.03  # ~4 standard deviations at p = 0.5
+    again = Sampler(SamplingParams(temperature=0.9, top_k=5, top_p=0.9, seed=7))
+    assert [again.pick(mx.array(logits)).item() for _ in range(50)] == picks[:50].tolist()
+
+
+def test_pick_without_native_kernels_draws_from_the_cuts(monkeypatch):
+    """Off the native path (CHATML_NATIVE=0, or a GPU) the pick is MLX's categorical draw over
+    `final_logits`: it never lands on a cut token."""
+    from kernels import native
+
+    monkeypatch.setenv("CHATML_NATIVE", "0")
+    native.reset()
+    try:
+        logits = mx.array([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
+        sampler = Sampler(SamplingParams(temperature=1.0, top_k=2, seed=3))
+        picks = {sampler.pick(logits).item() for _ in range(200)}
+        assert picks == {0, 5}
+    finally:
+        monkeypatch.undo()
+        native.reset()

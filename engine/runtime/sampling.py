@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from kernels.sampling import sample
+
 MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
 
 
@@ -336,9 +338,19 @@ class Sampler:
                 self.recorded.append(TokenLogprob(token, chosen.item(), pairs))
 
     def pick(self, logits: mx.array) -> mx.array:
-        if self.p.temperature == 0:
+        """The next token from processed logits `[V]`: greedy, or drawn after the cuts. On the
+        CPU the cuts and the draw are one native pass (`kernels.sampling`: the same cuts, the
+        inverse CDF at a uniform drawn from the row's key); elsewhere MLX's categorical draw
+        over `final_logits`."""
+        p = self.p
+        if p.temperature == 0:
             return mx.argmax(logits)
-        return mx.random.categorical(self.final_logits(logits), key=self.subkey())
+        key = self.subkey()
+        picked = sample(logits, key, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                        min_p=p.min_p)  # fmt: skip
+        if picked is not None:
+            return picked
+        return mx.random.categorical(self.final_logits(logits), key=key)
 
     def final_logits(self, logits: mx.array) -> mx.array:
         """What a sampled pick draws from: `logits / temperature` with the top-k, min-p and

@@ -1040,6 +1040,7 @@ array dequantize(const array& w, const array& scales, const array& biases, int g
 void bind_dense(nb::module_& m);  // dense.cpp: the float32 few-row GEMV
 void bind_delta(nb::module_& m);  // delta.cpp: the gated delta rule, one pass per state row
 void bind_activations(nb::module_& m);  // activations.cpp: vectorized silu/sigmoid, conv + silu
+void bind_sampling(nb::module_& m);  // sampling.cpp: a sampled token's cuts and draw
 
 }  // namespace chatml
 
@@ -1064,4 +1065,5 @@ NB_MODULE(_chatml_qgemv, m) {
   chatml::bind_dense(m);
   chatml::bind_delta(m);
   chatml::bind_activations(m);
+  chatml::bind_sampling(m);
 }
