@@ -160,6 +160,14 @@ def _missing_tool() -> str | None:
     return None
 
 
+def mlx_cmake_dir() -> Path:
+    """MLX's CMake package, beside the loaded mlx.core (mlx is a namespace package: an `mlx`
+    folder in a script's directory comes first in its path, and held no CMake files)."""
+    import mlx.core
+
+    return Path(mlx.core.__file__).parent / "share" / "cmake" / "MLX"
+
+
 def build(*, quiet: bool = True) -> Path:
     """Compile the native module into CHATML_HOME (if not already there); returns its path.
 
@@ -170,10 +178,9 @@ def build(*, quiet: bool = True) -> Path:
         return done
     if (why := _missing_tool()) is not None:
         raise RuntimeError(why)
-    import mlx
     import nanobind
 
-    mlx_cmake = Path(next(iter(mlx.__path__))) / "share" / "cmake" / "MLX"
+    mlx_cmake = mlx_cmake_dir()
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".build-") as tmp:
         configure = [

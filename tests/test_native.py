@@ -240,6 +240,22 @@ def test_no_compiler_falls_back_with_one_line(tmp_path):
     assert len(lines) == 1 and "native CPU kernels unavailable (no cmake on PATH)" in lines[0]
 
 
+def test_mlx_cmake_package_is_found_beside_a_folder_named_mlx(tmp_path):
+    """A script in a folder that also holds an `mlx` folder (a checkout, scratch files):
+    that folder comes first in the mlx namespace's path, and the build once looked for
+    MLX's CMake files there (`cmake -S failed`)."""
+    (tmp_path / "mlx").mkdir()
+    script = tmp_path / "where.py"
+    script.write_text("from kernels import native; print(native.mlx_cmake_dir())")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                         cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    found = Path(run.stdout.strip())
+    assert (found / "MLXConfig.cmake").is_file() and tmp_path not in found.parents
+
+
 def test_module_built_for_another_mlx_is_refused(mod, monkeypatch, capsys):
     monkeypatch.setattr(mx, "__version__", "0.0.1")
     native.reset()
