@@ -17,7 +17,13 @@ import mlx.core as mx
 from . import native as _native
 from .choice import device_kind
 
-__all__ = ["sample"]
+__all__ = ["sample", "sample_excluding"]
+
+
+def _module(logits: mx.array):
+    if logits.dtype != mx.float32 or device_kind() != "cpu":
+        return None
+    return _native.module()
 
 
 def sample(logits: mx.array, key: mx.array | None, *, temperature: float, top_k: int = 0,
@@ -25,10 +31,20 @@ def sample(logits: mx.array, key: mx.array | None, *, temperature: float, top_k:
     """A token per row of float32 `logits` `[..., V]` after the cuts, drawn at a uniform from
     `key` (None: MLX's global generator), on the CPU with the native module built; None
     otherwise (the caller runs MLX's ops)."""
-    if logits.dtype != mx.float32 or device_kind() != "cpu":
-        return None
-    mod = _native.module()
-    if mod is None:
+    if (mod := _module(logits)) is None:
         return None
     u = mx.random.uniform(shape=logits.shape[:-1], key=key)
     return mod.sample(logits, u, temperature, top_k, top_p, min_p)
+
+
+def sample_excluding(logits: mx.array, key: mx.array | None, exclude: mx.array, *,
+                     temperature: float, top_k: int = 0, top_p: float = 1.0,
+                     min_p: float = 0.0) -> tuple[mx.array, mx.array] | None:  # fmt: skip
+    """As `sample`, with the id `exclude[i]` (int32; -1: none) left out of row i's draw: (the
+    tokens, the probability row i's cut distribution gives `exclude[i]`); None off the
+    native path."""
+    if (mod := _module(logits)) is None:
+        return None
+    u = mx.random.uniform(shape=logits.shape[:-1], key=key)
+    tokens, p = mod.sample_excluding(logits, u, exclude, temperature, top_k, top_p, min_p)
+    return tokens, p

@@ -261,3 +261,31 @@ def test_pick_without_native_kernels_draws_from_the_cuts(monkeypatch):
     finally:
         monkeypatch.undo()
         native.reset()
+
+
+@pytest.mark.parametrize("top_k, min_p, top_p", [(20, 0.05, 0.95), (0, 0.0, 1.0), (5, 0.0, 0.8)])
+def test_native_residual_draw_matches_the_float64_reference(mod, top_k, min_p, top_p):
+    """`sample_excluding` (speculative sampling's verify): the excluded draft's probability
+    under the cut distribution, and the draw from the rest renormalized, as in float64."""
+    rng = np.random.default_rng(top_k)
+    robust = cases = 0
+    for trial in range(8):
+        logits = rng.normal(0.0, 2.0, 3000).astype(np.float32)
+        x = cuts_reference(logits, 0.7, top_k, min_p, top_p)
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        kept = np.flatnonzero(p)
+        draft = int(kept[trial % len(kept)]) if trial % 3 else int(np.argmin(p))  # maybe cut
+        for u in rng.uniform(0.0, 1.0, 4).astype(np.float32):
+            token, p_draft = mod.sample_excluding(mx.array(logits[None]), mx.array([float(u)]),
+                                                  mx.array([draft], dtype=mx.int32), 0.7,
+                                                  top_k, top_p, min_p)  # fmt: skip
+            assert abs(p_draft.item() - p[draft]) <= 1e-5 * max(p[draft], 1e-3)
+            w = np.where(np.arange(len(p)) == draft, 0.0, p)
+            run = np.cumsum(w) / w.sum()
+            near = np.abs(run - u).min() < NUDGE
+            cases += 1
+            if not near and (p_draft.item() == 0) == (p[draft] == 0):
+                assert token.item() == int(np.argmax(run > u)) != draft
+                robust += 1
+    assert robust >= 0.9 * cases

@@ -13,6 +13,7 @@ import pytest
 from helpers import QUESTIONS, fresh_greedy
 
 import engine
+import kernels.sampling
 from bench.spec_scripts import cache_error
 from engine.runtime.generate import decode, prefill
 from engine.runtime.sampling import Sampler, SamplingParams
@@ -332,10 +333,14 @@ def test_low_acceptance_costs_at_most_five_percent_over_plain_decoding():
     assert good.next() == 4
 
 
-def test_speculative_sampling_keeps_the_target_distribution():
+@pytest.mark.parametrize("native", [True, False])
+def test_speculative_sampling_keeps_the_target_distribution(monkeypatch, native):
     """verify() on fixed logits over 5 tokens: the first emitted token follows p0, the one
     after an accepted first draft p1 (chi-square, seeded, so it never flakes). The naive rule
-    (resample from p0 without removing the draft) fails the same bound."""
+    (resample from p0 without removing the draft) fails the same bound. Both ways to draw:
+    the native pass on the CPU and MLX's ops (a GPU's, or without the native module)."""
+    if not native:
+        monkeypatch.setattr(kernels.sampling, "_module", lambda logits: None)
     rng = np.random.default_rng(0)
     logits = mx.array(rng.standard_normal((3, 5)).astype(np.float32) * 1.5)
     drafts = [2, 4]

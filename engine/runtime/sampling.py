@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from kernels.sampling import sample
+from kernels.sampling import sample, sample_excluding
 
 MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
 
@@ -351,6 +351,26 @@ class Sampler:
         if picked is not None:
             return picked
         return mx.random.categorical(self.final_logits(logits), key=key)
+
+    def residual(self, processed: mx.array, drafts: Sequence[int], key: mx.array | None
+                 ) -> tuple[mx.array, mx.array]:  # fmt: skip
+        """Speculative sampling's draws for a verify step's processed logits `[k+1, V]`:
+        (p_draft `[k]`: the probability row i's cut distribution gives `drafts[i]`, fallback
+        `[k+1]`: a token drawn from row i without `drafts[i]`, renormalized; row k draws from
+        its whole distribution). On the CPU one native pass over the rows."""
+        k, p = len(drafts), self.p
+        ids = mx.array([*drafts, -1], dtype=mx.int32)
+        native = sample_excluding(processed, key, ids, temperature=p.temperature,
+                                  top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)  # fmt: skip
+        if native is not None:
+            fallback, p_draft = native
+            return p_draft[:k], fallback
+        final = mx.stack([self.final_logits(processed[i]) for i in range(k + 1)])
+        d = ids[:k]
+        p_draft = mx.take_along_axis(mx.softmax(final[:k], axis=-1), d[:, None], axis=-1)[:, 0]
+        is_draft = mx.arange(final.shape[-1])[None] == d[:, None]
+        residual = mx.concatenate([mx.where(is_draft, -mx.inf, final[:k]), final[k:]])
+        return p_draft, mx.random.categorical(residual, axis=-1, key=key)
 
     def final_logits(self, logits: mx.array) -> mx.array:
         """What a sampled pick draws from: `logits / temperature` with the top-k, min-p and

@@ -221,15 +221,9 @@ def verify(sampler: Sampler, logits: mx.array, drafts: Sequence[int],
         fallback = mx.argmax(processed, axis=-1)
         fallback = fallback.tolist()
         return [fallback[i] == drafts[i] for i in range(k)], fallback
-    final = mx.stack([sampler.final_logits(processed[i]) for i in range(k + 1)])
-    d = mx.array(list(drafts), dtype=mx.int32)
-    p_draft = mx.take_along_axis(mx.softmax(final[:k], axis=-1), d[:, None], axis=-1)[:, 0]
-    is_draft = mx.arange(final.shape[-1])[None] == d[:, None]
-    residual = mx.concatenate([mx.where(is_draft, -mx.inf, final[:k]), final[k:]])
     key_u, key_c = sampler.subkey(), sampler.subkey()
-    u = mx.random.uniform(shape=(k,), key=key_u)
-    fallback = mx.random.categorical(residual, axis=-1, key=key_c)
-    ok = u < p_draft
+    p_draft, fallback = sampler.residual(processed, drafts, key_c)
+    ok = mx.random.uniform(shape=(k,), key=key_u) < p_draft
     mx.eval(ok, fallback)
     return ok.tolist(), fallback.tolist()
 

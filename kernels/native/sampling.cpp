@@ -20,6 +20,10 @@
 // row's key). That is the distribution of a categorical draw over the cut logits; a given u
 // picks what the float64 reference picks, up to float32 rounding at the boundaries.
 //
+// `sample_excluding` also leaves one token per row out of the draw and returns the
+// probability the cut distribution gives it: speculative sampling's verify (accept a draft d
+// with probability p(d), else draw from p without d).
+//
 // -inf logits (a grammar's mask) are never picked; a row whose logits are all -inf gives 0.
 
 #include <algorithm>
@@ -32,6 +36,7 @@
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -174,7 +179,14 @@ float top_p_tau(const std::vector<float>& w, double sum, size_t limit, float top
   }
 }
 
-uint32_t pick(const float* x, int V, float u, const Cuts& cuts) {
+// One row's token. With `exclude` (a token id, or -1) that token is left out of the draw
+// (the rest renormalized) and `*p_excluded` gets the probability the cut distribution gives
+// it: speculative sampling's residual draw for a rejected draft.
+uint32_t pick(const float* x, int V, float u, const Cuts& cuts, int64_t exclude = -1,
+              float* p_excluded = nullptr) {
+  if (p_excluded != nullptr) {
+    *p_excluded = 0.0f;
+  }
   Kept kept;
   if (cuts.top_k > 0 && cuts.top_k < V) {
     top_k(x, V, cuts.temperature, cuts.top_k, kept);
@@ -206,15 +218,21 @@ uint32_t pick(const float* x, int V, float u, const Cuts& cuts) {
   auto stays = [&](size_t i) {
     return w[i] >= cuts.min_p && (!cut_p || static_cast<float>(w[i] / sum) >= tau);
   };
-  double total = 0.0;
+  double total = 0.0, excluded = 0.0;
   for (size_t i = 0; i < n; ++i) {
-    total += stays(i) ? w[i] : 0.0;
+    if (stays(i)) {
+      total += w[i];
+      excluded += kept.id[i] == exclude ? w[i] : 0.0;
+    }
   }
-  const double target = static_cast<double>(u) * total;
+  if (p_excluded != nullptr && total > 0) {
+    *p_excluded = static_cast<float>(excluded / total);
+  }
+  const double target = static_cast<double>(u) * (total - excluded);
   double run = 0.0;
   size_t last = n;
   for (size_t i = 0; i < n; ++i) {
-    if (!stays(i) || w[i] == 0.0f) {
+    if (!stays(i) || w[i] == 0.0f || kept.id[i] == exclude) {
       continue;
     }
     run += w[i];
@@ -223,7 +241,9 @@ uint32_t pick(const float* x, int V, float u, const Cuts& cuts) {
       return kept.id[i];
     }
   }
-  return kept.id[last < n ? last : 0];  // rounding left the target past the end
+  // Rounding left the target past the end; or nothing but the excluded token can be drawn
+  // (its probability is 1, so a residual draw is never used).
+  return last < n ? kept.id[last] : (exclude >= 0 ? static_cast<uint32_t>(exclude) : 0);
 }
 
 class Sample : public Primitive {
@@ -232,20 +252,24 @@ class Sample : public Primitive {
 
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
     auto& encoder = cpu::get_command_encoder(stream());
-    encoder.set_input_array(inputs[0]);
-    encoder.set_input_array(inputs[1]);
+    for (const array& a : inputs) {
+      encoder.set_input_array(a);
+    }
     const array logits = row_major(inputs[0], encoder);
     const array u = row_major(inputs[1], encoder);
-    array& out = outputs[0];
-    out.set_data(allocator::malloc(out.nbytes()));
-    encoder.set_output_array(out);
+    const int32_t* ex = inputs.size() > 2 ? row_major(inputs[2], encoder).data<int32_t>() : nullptr;
+    for (array& out : outputs) {
+      out.set_data(allocator::malloc(out.nbytes()));
+      encoder.set_output_array(out);
+    }
+    float* pe = outputs.size() > 1 ? outputs[1].data<float>() : nullptr;
     const int V = logits.shape(-1);
-    const size_t rows = out.size();
-    encoder.dispatch([x = logits.data<float>(), pu = u.data<float>(),
-                      po = out.data<uint32_t>(), V, rows, cuts = cuts_]() {
+    const size_t rows = outputs[0].size();
+    encoder.dispatch([x = logits.data<float>(), pu = u.data<float>(), ex, pe,
+                      po = outputs[0].data<uint32_t>(), V, rows, cuts = cuts_]() {
       auto job = [&](int part, int parts) {
         for (size_t r = rows * part / parts; r < rows * (part + 1) / parts; ++r) {
-          po[r] = pick(x + r * V, V, pu[r], cuts);
+          po[r] = pick(x + r * V, V, pu[r], cuts, ex ? ex[r] : -1, pe ? pe + r : nullptr);
         }
       };
       if (rows == 1) {
@@ -270,7 +294,8 @@ class Sample : public Primitive {
 
   std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
     const Shape& s = inputs[0].shape();
-    return {Shape(s.begin(), s.end() - 1)};
+    const Shape rows(s.begin(), s.end() - 1);
+    return inputs.size() > 2 ? std::vector<Shape>{rows, rows} : std::vector<Shape>{rows};
   }
 
  private:
@@ -283,7 +308,7 @@ void check(bool ok, const std::string& what) {
   }
 }
 
-array sample(const array& logits, const array& u, float temperature, int top_k, float top_p,
+Cuts checked(const array& logits, const array& u, float temperature, int top_k, float top_p,
              float min_p) {
   check(logits.dtype() == float32 && u.dtype() == float32, "takes float32 logits and u");
   check(logits.ndim() >= 1 && logits.shape(-1) > 0, "takes logits [..., V] with V > 0");
@@ -293,9 +318,24 @@ array sample(const array& logits, const array& u, float temperature, int top_k, 
   check(top_k >= 0, "takes top_k >= 0");
   check(top_p > 0 && top_p <= 1, "takes top_p in (0, 1]");
   check(min_p >= 0 && min_p < 1, "takes min_p in [0, 1)");
+  return Cuts{temperature, top_k, top_p, min_p};
+}
+
+array sample(const array& logits, const array& u, float temperature, int top_k, float top_p,
+             float min_p) {
+  const Cuts cuts = checked(logits, u, temperature, top_k, top_p, min_p);
   Stream s = default_stream(Device::cpu);
-  return array(rows, uint32, std::make_shared<Sample>(s, Cuts{temperature, top_k, top_p, min_p}),
-               {logits, u});
+  return array(u.shape(), uint32, std::make_shared<Sample>(s, cuts), {logits, u});
+}
+
+std::vector<array> sample_excluding(const array& logits, const array& u, const array& exclude,
+                                    float temperature, int top_k, float top_p, float min_p) {
+  const Cuts cuts = checked(logits, u, temperature, top_k, top_p, min_p);
+  check(exclude.dtype() == int32 && exclude.shape() == u.shape(),
+        "takes one int32 id (or -1) to exclude per row");
+  Stream s = default_stream(Device::cpu);
+  return array::make_arrays({u.shape(), u.shape()}, {uint32, float32},
+                            std::make_shared<Sample>(s, cuts), {logits, u, exclude});
 }
 
 }  // namespace
@@ -305,6 +345,11 @@ void bind_sampling(nb::module_& m) {
         nb::arg("top_k") = 0, nb::arg("top_p") = 1.0f, nb::arg("min_p") = 0.0f,
         "A token per row of logits [..., V]: the temperature, top-k, min-p and top-p cuts, "
         "then the inverse CDF at u [...] in index order (CPU, float32).");
+  m.def("sample_excluding", &sample_excluding, nb::arg("logits"), nb::arg("u"),
+        nb::arg("exclude"), nb::arg("temperature"), nb::arg("top_k") = 0,
+        nb::arg("top_p") = 1.0f, nb::arg("min_p") = 0.0f,
+        "sample() with one id per row (int32, -1: none) left out of the draw: returns the "
+        "tokens and the probability the cut distribution gives each excluded id.");
 }
 
 }  // namespace chatml
