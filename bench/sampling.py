@@ -1,6 +1,7 @@
 """Sampling cost per token: the engine's cuts against mlx-lm's sampler over a real vocabulary.
 
-Run: ``chatml bench sampling [--vocab 248320] [--repeats 30] [--json FILE]``.
+Run: ``chatml bench sampling [--vocab 248320] [--repeats 30] [--json FILE]``, or for whole
+decode steps ``chatml bench sampling --model qwen3.5-0.8b [--quantize 4] [--tokens 40]``.
 
 One sampled pick from a vector of `--vocab` random logits (Qwen3.5's vocabulary by default),
 with Qwen's recommended cuts, each cut alone and the temperature alone: this engine's
@@ -10,6 +11,12 @@ through MLX's ops (``final_logits`` then a categorical draw: the path on a GPU o
 log-probabilities, as ``mlx_lm.generate`` computes them first: that ``logsumexp`` is timed
 with it), and greedy ``argmax`` as the floor. Mean milliseconds over `--repeats` picks, all
 in one process, interleaved per configuration; the table ends with one JSON line.
+
+With ``--model``: what sampling adds to a decode step. Greedy decoding against the
+checkpoint's own sampling defaults (``generation_config.json``: what ``chatml chat`` and the
+server use, e.g. temperature 0.7, top_k 20, top_p 0.8, presence_penalty 1.5), seeded, on the
+engine's model thread, alternating; milliseconds per token after a 128-token prompt, median
+of `--repeats` (default 4) decodes of ``--tokens`` each.
 """
 
 from __future__ import annotations
@@ -63,21 +70,73 @@ def measure(vocab: int, repeats: int, temperature: float = 0.7) -> dict:
     return out
 
 
+def measure_decode(model: str, quantize: int | None, tokens: int, repeats: int) -> dict:
+    import statistics
+
+    import engine
+    from bench.common import model_path
+    from engine.runtime.generate import decode, prefill
+    from engine.runtime.sampling import Sampler, SamplingParams
+
+    eng = engine.load(str(model_path(model)), quantize=quantize)
+    sampled = SamplingParams(**eng.sampling_defaults, seed=0)
+    ids = list(range(1000, 1128))
+
+    def ms_per_token(params: SamplingParams, n: int) -> float:
+        caches = eng.model.make_caches()
+        logits, _ = prefill(eng.model, caches, ids, 0)
+        first, count = None, 0
+        for _ in decode(eng.model, caches, logits, Sampler(params), max_tokens=n, stop_ids=(),
+                        history=list(ids)):  # fmt: skip
+            count += 1
+            first = first or time.perf_counter()
+        return (time.perf_counter() - first) / (count - 1) * 1e3
+
+    runs: dict[str, list[float]] = {"greedy": [], "sampled": []}
+    for params in (SamplingParams(), sampled):  # warm-up
+        eng.worker.call(ms_per_token, params, 4)
+    for _ in range(repeats):
+        runs["greedy"].append(eng.worker.call(ms_per_token, SamplingParams(), tokens))
+        runs["sampled"].append(eng.worker.call(ms_per_token, sampled, tokens))
+    out = {k: round(statistics.median(v), 2) for k, v in runs.items()}
+    return {"model": model, "quantize": quantize, "tokens": tokens,
+            "sampling": eng.sampling_defaults, "greedy_ms": out["greedy"],
+            "sampled_ms": out["sampled"], "sampled_over_greedy": round(out["sampled"] / out["greedy"], 3),
+            "runs_ms": runs}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", type=int, default=248320)
-    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--repeats", type=int, help="picks to average (30), or decodes (4)")
+    ap.add_argument("--model", help="time whole decode steps of this model instead")
+    ap.add_argument("--quantize", type=int, choices=[4, 8], help="with --model")
+    ap.add_argument("--tokens", type=int, default=40, help="with --model: tokens per decode")
     ap.add_argument("--json")
     a = ap.parse_args()
 
     import engine  # noqa: F401  (the fast BLAS before mlx)
     from bench.common import conditions, write_json
 
+    if a.model:
+        before = conditions()["load_average"]
+        r = measure_decode(a.model, a.quantize, a.tokens, a.repeats or 4)
+        result = {"loadavg_before": before, "conditions": conditions(), "decode": r}
+        print(
+            f"{a.model} (quantize {a.quantize}), ms per token, median of "
+            f"{len(r['runs_ms']['greedy'])}: greedy {r['greedy_ms']:.1f}, sampled "
+            f"({r['sampling']}) {r['sampled_ms']:.1f}: {r['sampled_over_greedy']:.3f}x"
+        )
+        print(json.dumps({"bench": "sampling", **result}))
+        write_json(a.json, result)
+        return
+
+    repeats = a.repeats or 30
     before = conditions()["load_average"]
-    r = measure(a.vocab, a.repeats)
-    result = {"vocab": a.vocab, "repeats": a.repeats, "loadavg_before": before,
+    r = measure(a.vocab, repeats)
+    result = {"vocab": a.vocab, "repeats": repeats, "loadavg_before": before,
               "conditions": conditions(), "sampling": r}  # fmt: skip
-    print(f"one pick over {a.vocab} logits, mean of {a.repeats}; greedy argmax "
+    print(f"one pick over {a.vocab} logits, mean of {repeats}; greedy argmax "
           f"{r['greedy_argmax_ms']:.2f} ms")  # fmt: skip
     print(f"  {'cuts':<24}{'chatml':>10}{'MLX ops':>11}{'mlx-lm':>10}{'mlx-lm/chatml':>15}")
     for name in CUTS:
