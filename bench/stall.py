@@ -6,7 +6,8 @@ three pieces, `--arrivals` requests with distinct prompts of about `--prompt-tok
 come together. For each `--pass-tokens` budget (`engine.load(pass_tokens=...)`, a fresh engine
 per run, so nothing is reused across runs), it reports the decoders' gaps between streamed
 pieces while the arrivals are served (the longest, and the median: the stall the budget
-bounds; a piece can take two steps, when a token completes no text), each arrival's time to
+bounds; a piece can take two steps, when a token completes no text: `decoder_tokens` against
+`decoder_pieces` counts them), each arrival's time to
 first token and their mean, the time until the last first token, and the batch's passes (how
 many, the most tokens in one). `--late-tokens N` sends one more request, with a prompt of
 about N tokens, once the arrivals' prefill has run two passes: with `--arrivals 1
@@ -44,6 +45,8 @@ def run(folder: str, pass_tokens: int, args, salt: int) -> dict:
     ttft: list[float | None] = [None] * (tasks - args.decoders)
     firsts: list[float] = []  # when each of the arrivals (not the late one) saw its first token
 
+    tokens = [0] * args.decoders  # each decoder's answer, in tokens (its pieces: stamps)
+
     def decoder(k: int) -> None:
         chat = [{"role": "user", "content": f"Run {salt}, decoder {k}: tell a long story."}]
         for piece in eng.chat_stream(chat, max_tokens=args.max_tokens):
@@ -51,6 +54,8 @@ def run(folder: str, pass_tokens: int, args, salt: int) -> dict:
                 stamps[k].append(time.perf_counter())
                 if len(stamps[k]) == 3:
                     streaming[k].set()
+            else:
+                tokens[k] = len(piece.token_ids)
         streaming[k].set()  # (an answer shorter than three pieces: go on all the same)
 
     def arrival(k: int, tokens: int) -> None:
@@ -98,6 +103,9 @@ def run(folder: str, pass_tokens: int, args, salt: int) -> dict:
         "ttft_mean_s": statistics.mean(t for t in ttft[: args.arrivals] if t is not None),
         "late_ttft_s": ttft[args.arrivals] if args.late_tokens else None,
         "last_first_token_s": max(firsts) - came,
+        # fewer pieces than tokens: some pieces took two steps (a token completing no text)
+        "decoder_tokens": tokens,
+        "decoder_pieces": [len(st) for st in stamps],
         "passes": after["steps"] - before["steps"],
         "longest_pass": after.get("longest"),  # (older builds did not count it)
     }
