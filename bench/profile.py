@@ -16,7 +16,9 @@ same way (one ``mx.eval`` per step):
   scheduling): step + sample - the parts.
 
 And the host side (``host``): the graph nodes one step dispatches and the Python time to build
-them, against mlx-lm's qwen3_5 on the same checkpoint.
+them, against mlx-lm's qwen3_5 on the same checkpoint; and a short turn through the Python
+API whole (``short_turn``: `Session.send` of a one-line message after the conversation's
+cached prefix, 4 tokens generated, greedy; on ``tiny`` almost all of it is per-turn overhead).
 
 The weights are read once per token, so ``matvec + lm_head`` against the bytes they read gives
 the achieved bandwidth. Each figure is the median of ``--repeats`` runs.
@@ -187,6 +189,24 @@ def host(model: str, depth: int = 64, repeats: int = 50) -> dict:
     return out
 
 
+def short_turn(model: str, repeats: int = 20) -> dict:
+    """A short turn's wall time through `Session.send`, median of `repeats` turns of one
+    conversation (never trimmed: each prefills its own exchange, after the cached prefix)."""
+    import engine
+
+    eng = engine.load(str(model_path(model)))
+    chat = eng.session("You are a helpful assistant.", max_exchanges=repeats + 1)
+    chat.send("hello there", max_tokens=4)
+    ms, prefilled = [], []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        turn = chat.send(f"question number {i}: what next?", max_tokens=4)
+        ms.append((time.perf_counter() - t0) * 1e3)
+        prefilled.append(turn.stats.prefilled_tokens)
+    return {"short_turn_ms": statistics.median(ms), "short_turn_prefilled": statistics.median(prefilled),
+            "short_turn_generated": 4}  # fmt: skip
+
+
 def print_table(r: dict) -> None:
     print(f"decode step at depth {r['depth']}: {r['step']:.1f} ms ({r['tokens_per_s']:.1f} tok/s)")
     for part in ("build", "matvec", "lm_head", "delta", "attention", "sample", "rest"):
@@ -205,7 +225,7 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     r = profile(a.model, a.depth, a.repeats, a.quantize)
-    h = host(a.model, a.depth, a.repeats)
+    h = host(a.model, a.depth, a.repeats) | short_turn(a.model, a.repeats)
     result = {
         "conditions": conditions(model=a.model, dtype="float32", quantize=a.quantize),
         "profile": r,
@@ -213,7 +233,9 @@ def main() -> None:
     }
     print_table(r)
     print(f"host: {h['engine_nodes']} graph nodes, {h['engine_build_ms']:.2f} ms to build "
-          f"(mlx-lm: {h['mlx_lm_nodes']} nodes, {h['mlx_lm_build_ms']:.2f} ms)")  # fmt: skip
+          f"(mlx-lm: {h['mlx_lm_nodes']} nodes, {h['mlx_lm_build_ms']:.2f} ms); a short turn "
+          f"({h['short_turn_prefilled']:.0f} tokens prefilled, 4 generated) "
+          f"{h['short_turn_ms']:.1f} ms")  # fmt: skip
     print(json.dumps({"bench": "profile", **result}))
     write_json(a.json, result)
 

@@ -65,3 +65,12 @@ def test_profile_counts_quantized_weights(tiny) -> None:
                  and "norm" not in k and "conv" not in k)  # fmt: skip
     assert r["weight_bytes"] == packed
     assert r["step"] > 0 and r["matvec"] > 0 and r["lm_head"] > 0
+
+
+def test_short_turn_prefills_only_its_exchange(tiny) -> None:
+    """`bench.profile.short_turn` times turns that each prefill their own exchange after the
+    cached prefix (a trimmed window would re-prefill the whole conversation instead)."""
+    from bench.profile import short_turn
+
+    r = short_turn(str(tiny.path), repeats=3)
+    assert r["short_turn_ms"] > 0 and 0 < r["short_turn_prefilled"] < 40
