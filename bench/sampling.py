@@ -9,7 +9,8 @@ with Qwen's recommended cuts, each cut alone and the temperature alone: this eng
 through MLX's ops (``final_logits`` then a categorical draw: the path on a GPU or with
 ``CHATML_NATIVE=0``), and mlx-lm's ``make_sampler`` with the same options (given
 log-probabilities, as ``mlx_lm.generate`` computes them first: that ``logsumexp`` is timed
-with it), and greedy ``argmax`` as the floor. Mean milliseconds over `--repeats` picks, all
+with it), and greedy ``argmax`` as the floor; and the log-probabilities a request may ask for
+(the token's and the top 5: ``kernels.sampling.logprobs`` against MLX's ops). Mean milliseconds over `--repeats` picks, all
 in one process, interleaved per configuration; the table ends with one JSON line.
 
 With ``--model``: what sampling adds to a decode step. Greedy decoding against the
@@ -49,6 +50,7 @@ def measure(vocab: int, repeats: int, temperature: float = 0.7) -> dict:
     from mlx_lm.sample_utils import make_sampler
 
     from engine.runtime.sampling import Sampler, SamplingParams
+    from kernels.sampling import logprobs
 
     logits = mx.random.normal((vocab,), key=mx.random.key(0)) * 3
     mx.eval(logits)
@@ -67,6 +69,17 @@ def measure(vocab: int, repeats: int, temperature: float = 0.7) -> dict:
                 _mean_ms(lambda f=theirs: f(logits - mx.logsumexp(logits)), repeats), 2
             ),
         }
+    token = mx.array(123, dtype=mx.uint32)
+
+    def logprobs_mlx_ops():  # Sampler._record's fallback: log_softmax, a partition, gathers
+        lp = logits - mx.logsumexp(logits)
+        top = mx.argpartition(-lp, 4)[:5]
+        return lp[token], top, lp[top]
+
+    out["logprobs top 5"] = {
+        "chatml_ms": round(_mean_ms(lambda: logprobs(logits, token, 5), repeats), 3),
+        "mlx_ops_ms": round(_mean_ms(logprobs_mlx_ops, repeats), 2),
+    }
     return out
 
 
@@ -142,6 +155,8 @@ def main() -> None:
     for name in CUTS:
         c, o, m = (r[name][k] for k in ("chatml_ms", "mlx_ops_ms", "mlx_lm_ms"))
         print(f"  {name:<24}{c:>8.2f} ms{o:>8.2f} ms{m:>7.2f} ms{m / c:>14.2f}x")
+    lp = r["logprobs top 5"]
+    print(f"  {'logprobs, top 5':<24}{lp['chatml_ms']:>8.2f} ms{lp['mlx_ops_ms']:>8.2f} ms")
     print(json.dumps({"bench": "sampling", **result}))
     write_json(a.json, result)
 

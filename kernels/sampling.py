@@ -7,7 +7,8 @@ core, a sixth of a 0.8B float32 decode step and more at 4 bits. ``kernels/native
 keeps only the values at or above a rising threshold in one vectorized pass and does the rest
 on those: ~0.15 ms. Its cuts are `Sampler.final_logits`'s, value for value; the draw is the
 inverse CDF at a uniform `u` in index order (the distribution of a categorical draw over the
-cut logits, from other random numbers than MLX's Gumbel noise).
+cut logits, from other random numbers than MLX's Gumbel noise). The log-probabilities a
+caller asks for (`logprobs`: at the token and the top k) take the same kind of passes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import mlx.core as mx
 from . import native as _native
 from .choice import device_kind
 
-__all__ = ["sample", "sample_excluding"]
+__all__ = ["logprobs", "sample", "sample_excluding"]
 
 
 def _module(logits: mx.array):
@@ -48,3 +49,13 @@ def sample_excluding(logits: mx.array, key: mx.array | None, exclude: mx.array, 
     u = mx.random.uniform(shape=logits.shape[:-1], key=key)
     tokens, p = mod.sample_excluding(logits, u, exclude, temperature, top_k, top_p, min_p)
     return tokens, p
+
+
+def logprobs(logits: mx.array, token: mx.array, k: int
+             ) -> tuple[mx.array, mx.array, mx.array] | None:  # fmt: skip
+    """log_softmax of float32 `logits` `[..., V]`: (at `token` `[...]`, the `k` largest
+    `[..., k]` and their ids `[..., k]`, most likely first); None off the native path."""
+    if (mod := _module(logits)) is None:
+        return None
+    chosen, ids, values = mod.logprobs(logits, token.astype(mx.uint32), k)
+    return chosen, ids, values

@@ -289,3 +289,23 @@ def test_native_residual_draw_matches_the_float64_reference(mod, top_k, min_p, t
                 assert token.item() == int(np.argmax(run > u)) != draft
                 robust += 1
     assert robust >= 0.9 * cases
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+def test_native_logprobs_match_float64(mod, k):
+    """`logprobs` (what `top_logprobs` reports): log_softmax at the token and the k largest,
+    most likely first, against float64; on tie-heavy logits, and with k equal to V."""
+    rng = np.random.default_rng(k)
+    for trial, V in enumerate([5000, 5000, 300, k or 1]):
+        x = rng.normal(0.0, 3.0, V).astype(np.float32)
+        if trial == 1:
+            x = np.round(x)  # ties: which of the tied ids is reported does not matter
+        ref = x.astype(np.float64)
+        ref = ref - (ref.max() + np.log(np.exp(ref - ref.max()).sum()))
+        token = int(rng.integers(V))
+        chosen, ids, values = mod.logprobs(mx.array(x), mx.array(token, dtype=mx.uint32), k)
+        assert abs(chosen.item() - ref[token]) <= 1e-5 * max(1.0, abs(ref[token]))
+        ids, values = np.array(ids), np.array(values, dtype=np.float64)
+        assert ids.shape == values.shape == (k,) and len(set(ids.tolist())) == k
+        np.testing.assert_allclose(values, np.sort(ref)[::-1][:k], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(values, ref[ids], rtol=1e-5, atol=1e-5)

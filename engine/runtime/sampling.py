@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from kernels.sampling import sample, sample_excluding
+from kernels.sampling import logprobs, sample, sample_excluding
 
 MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
 
@@ -308,10 +308,12 @@ class Sampler:
         """Queue the model's logprob of `token` and the top alternatives (with the pick's
         own evaluation, so reading them later does not wait on the next step)."""
         raw = logits.astype(mx.float32)
-        lp = raw - mx.logsumexp(raw)
-        k = min(self.top_logprobs, lp.shape[-1])
-        top = mx.argpartition(-lp, k - 1)[:k] if k else mx.zeros((0,), dtype=mx.uint32)
-        entry = (lp[token], top, lp[top])
+        k = min(self.top_logprobs, raw.shape[-1])
+        entry = logprobs(raw, token, k)  # on the CPU one native pass
+        if entry is None:
+            lp = raw - mx.logsumexp(raw)
+            top = mx.argpartition(-lp, k - 1)[:k] if k else mx.zeros((0,), dtype=mx.uint32)
+            entry = (lp[token], top, lp[top])
         mx.async_eval(*entry)
         self._pending.append(entry)
 

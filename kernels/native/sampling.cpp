@@ -25,6 +25,9 @@
 // with probability p(d), else draw from p without d).
 //
 // -inf logits (a grammar's mask) are never picked; a row whose logits are all -inf gives 0.
+//
+// `logprobs` reports what callers ask for with a token (OpenAI's logprobs): log_softmax of
+// the raw logits at the token and the top k, in the same kind of passes.
 
 #include <algorithm>
 #include <cmath>
@@ -246,6 +249,132 @@ uint32_t pick(const float* x, int V, float u, const Cuts& cuts, int64_t exclude 
   return last < n ? kept.id[last] : (exclude >= 0 ? static_cast<uint32_t>(exclude) : 0);
 }
 
+// The model's log-probabilities of one row (log_softmax of the raw logits, as reported to
+// callers): that of `token`, and the k largest with their ids, most likely first (ties: the
+// lower id first). One pass for the max, one vectorized pass for the sum of exp, and the top
+// k from the same rising-threshold scan as top-k sampling.
+void logprobs(const float* x, int V, uint32_t token, int k, float* chosen, uint32_t* ids,
+              float* values) {
+  vf mv = splat(-INFINITY);
+  int i = 0;
+  for (; i + L <= V; i += L) {
+    const vf v = load(x + i);
+    mv = v > mv ? v : mv;
+  }
+  float m = -INFINITY;
+  for (int j = 0; j < L; ++j) {
+    m = std::max(m, mv[j]);
+  }
+  for (; i < V; ++i) {
+    m = std::max(m, x[i]);
+  }
+  double sum = 0.0;
+  vf sv = {};
+  i = 0;
+  for (; i + L <= V; i += L) {
+    sv += exp(load(x + i) - splat(m));
+    if ((i / L) % 256 == 255) {  // into double every 256 vectors: few terms per float lane
+      for (int j = 0; j < L; ++j) {
+        sum += sv[j];
+      }
+      sv = vf{};
+    }
+  }
+  for (int j = 0; j < L; ++j) {
+    sum += sv[j];
+  }
+  for (; i < V; ++i) {
+    sum += exp1(x[i] - m);
+  }
+  const float lse = m + static_cast<float>(std::log(sum));
+  *chosen = token < static_cast<uint32_t>(V) ? x[token] - lse : -INFINITY;
+  if (k == 0) {
+    return;
+  }
+  Kept kept;
+  top_k(x, V, 1.0f, std::min(k, V), kept);
+  std::vector<Entry> top(kept.l.size());
+  for (size_t j = 0; j < top.size(); ++j) {
+    top[j] = {kept.l[j], kept.id[j]};
+  }
+  std::sort(top.begin(), top.end(), [](const Entry& a, const Entry& b) {
+    return a.l > b.l || (a.l == b.l && a.id < b.id);
+  });
+  top.resize(std::min<size_t>(top.size(), k));
+  // fewer finite logits than k: the first -inf ones, by id
+  std::vector<bool> taken(top.size() < static_cast<size_t>(k) ? V : 0);
+  for (const Entry& e : top) {
+    if (!taken.empty()) {
+      taken[e.id] = true;
+    }
+  }
+  for (int j = 0; static_cast<int>(top.size()) < k && j < V; ++j) {
+    if (!taken[j]) {
+      top.push_back({x[j], static_cast<uint32_t>(j)});
+    }
+  }
+  for (int j = 0; j < k; ++j) {
+    ids[j] = top[j].id;
+    values[j] = top[j].l - lse;
+  }
+}
+
+class LogProbs : public Primitive {
+ public:
+  LogProbs(Stream stream, int k) : Primitive(stream), k_(k) {}
+
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (const array& a : inputs) {
+      encoder.set_input_array(a);
+    }
+    const array logits = row_major(inputs[0], encoder);
+    const array token = row_major(inputs[1], encoder);
+    for (array& out : outputs) {
+      out.set_data(allocator::malloc(std::max<size_t>(out.nbytes(), 1)));
+      encoder.set_output_array(out);
+    }
+    const int V = logits.shape(-1);
+    const size_t rows = outputs[0].size();
+    encoder.dispatch([x = logits.data<float>(), t = token.data<uint32_t>(),
+                      c = outputs[0].data<float>(), ids = outputs[1].data<uint32_t>(),
+                      vals = outputs[2].data<float>(), V, rows, k = k_]() {
+      auto job = [&](int part, int parts) {
+        for (size_t r = rows * part / parts; r < rows * (part + 1) / parts; ++r) {
+          logprobs(x + r * V, V, t[r], k, c + r, ids + r * k, vals + r * k);
+        }
+      };
+      if (rows == 1) {
+        job(0, 1);
+      } else {
+        pool().run(job, static_cast<int>(std::min<size_t>(pool().size(), rows)));
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("[chatml.logprobs] runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "ChatmlLogProbs";
+  }
+
+  bool is_equivalent(const Primitive& other) const override {
+    return k_ == static_cast<const LogProbs&>(other).k_;
+  }
+
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    const Shape rows = inputs[1].shape();
+    Shape top = rows;
+    top.push_back(k_);
+    return {rows, top, top};
+  }
+
+ private:
+  int k_;
+};
+
 class Sample : public Primitive {
  public:
   Sample(Stream stream, Cuts cuts) : Primitive(stream), cuts_(cuts) {}
@@ -338,9 +467,25 @@ std::vector<array> sample_excluding(const array& logits, const array& u, const a
                             std::make_shared<Sample>(s, cuts), {logits, u, exclude});
 }
 
+std::vector<array> log_probs(const array& logits, const array& token, int k) {
+  check(logits.dtype() == float32 && logits.ndim() >= 1 && logits.shape(-1) > 0,
+        "logprobs takes float32 logits [..., V] with V > 0");
+  const Shape rows(logits.shape().begin(), logits.shape().end() - 1);
+  check(token.dtype() == uint32 && token.shape() == rows, "logprobs takes one uint32 token per row");
+  check(k >= 0 && k <= logits.shape(-1), "logprobs takes 0 <= k <= V");
+  Shape top = rows;
+  top.push_back(k);
+  Stream s = default_stream(Device::cpu);
+  return array::make_arrays({rows, top, top}, {float32, uint32, float32},
+                            std::make_shared<LogProbs>(s, k), {logits, token});
+}
+
 }  // namespace
 
 void bind_sampling(nb::module_& m) {
+  m.def("logprobs", &log_probs, nb::arg("logits"), nb::arg("token"), nb::arg("k"),
+        "The log-probabilities (log_softmax) of rows of logits [..., V]: of `token` [...], "
+        "and the k largest [..., k] with their ids, most likely first (CPU, float32).");
   m.def("sample", &sample, nb::arg("logits"), nb::arg("u"), nb::arg("temperature"),
         nb::arg("top_k") = 0, nb::arg("top_p") = 1.0f, nb::arg("min_p") = 0.0f,
         "A token per row of logits [..., V]: the temperature, top-k, min-p and top-p cuts, "
