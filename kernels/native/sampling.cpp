@@ -136,20 +136,73 @@ void top_k(const float* x, int V, float temperature, int k, Kept& out) {
   }
 }
 
-// Every finite scaled logit (no top-k cut).
+// Every scaled logit (no top-k cut), in one vectorized pass: -inf and NaN stay as -inf, whose
+// weight exp(-inf) is 0, so they are never drawn.
 void all(const float* x, int V, float temperature, Kept& out) {
   out.l.resize(V);
   out.id.resize(V);
-  size_t n = 0;
-  for (int i = 0; i < V; ++i) {
+  const vf div = splat(temperature), minus_inf = splat(-INFINITY);
+  int i = 0;
+  for (; i + L <= V; i += L) {
+    const vf l = load(x + i) / div;
+    store(out.l.data() + i, l == l ? l : minus_inf);
+  }
+  for (; i < V; ++i) {
     const float l = x[i] / temperature;
-    if (l > -INFINITY) {
-      out.l[n] = l;
-      out.id[n++] = static_cast<uint32_t>(i);
+    out.l[i] = l == l ? l : -INFINITY;
+  }
+  for (i = 0; i < V; ++i) {
+    out.id[i] = static_cast<uint32_t>(i);
+  }
+}
+
+// max(a[0..n)) and, with `w`, w = exp(a - max) and their sum (in double, from float lanes
+// of at most 256 terms each).
+float max_of(const float* a, size_t n) {
+  vf mv = splat(-INFINITY);
+  size_t i = 0;
+  for (; i + L <= n; i += L) {
+    const vf v = load(a + i);
+    mv = v > mv ? v : mv;
+  }
+  float m = -INFINITY;
+  for (int j = 0; j < L; ++j) {
+    m = std::max(m, mv[j]);
+  }
+  for (; i < n; ++i) {
+    m = std::max(m, a[i]);
+  }
+  return m;
+}
+
+double exp_sum(const float* a, size_t n, float m, float* w) {
+  double sum = 0.0;
+  vf sv = {};
+  size_t i = 0;
+  for (; i + L <= n; i += L) {
+    const vf e = exp(load(a + i) - splat(m));
+    if (w != nullptr) {
+      store(w + i, e);
+    }
+    sv += e;
+    if ((i / L) % 256 == 255) {
+      for (int j = 0; j < L; ++j) {
+        sum += sv[j];
+      }
+      sv = vf{};
     }
   }
-  out.l.resize(n);
-  out.id.resize(n);
+  for (int j = 0; j < L; ++j) {
+    sum += sv[j];
+  }
+  for (; i < n; ++i) {
+    const float e = exp1(a[i] - m);
+    if (w != nullptr) {
+      w[i] = e;
+    }
+    sum += e;
+  }
+  return sum;
 }
 
 // top-p's tau over probabilities w / sum (w = exp(l - max)): the `limit` largest, in
@@ -197,24 +250,14 @@ uint32_t pick(const float* x, int V, float u, const Cuts& cuts, int64_t exclude 
     all(x, V, cuts.temperature, kept);
   }
   const size_t n = kept.l.size();
-  if (n == 0) {
+  const float m = n ? max_of(kept.l.data(), n) : -INFINITY;
+  if (m == -INFINITY) {
     return 0;  // every logit -inf: nothing can be drawn
   }
-  const float m = *std::max_element(kept.l.begin(), kept.l.end());
   std::vector<float> w(n);
-  size_t j = 0;
-  for (; j + L <= n; j += L) {
-    store(w.data() + j, exp(load(kept.l.data() + j) - splat(m)));
-  }
-  for (; j < n; ++j) {
-    w[j] = exp1(kept.l[j] - m);
-  }
   // The cuts on probabilities, as a floor on w: p >= min_p * max(p) is w >= min_p (the
   // largest w is exp(0) = 1), p >= tau is w / sum >= tau.
-  double sum = 0.0;
-  for (float v : w) {
-    sum += v;
-  }
+  const double sum = exp_sum(kept.l.data(), n, m, w.data());
   const bool cut_p = cuts.top_p < 1.0f;
   const float tau = cut_p ? top_p_tau(w, sum, cuts.top_k > 0 ? cuts.top_k : n, cuts.top_p)
                           : 0.0f;
@@ -222,10 +265,17 @@ uint32_t pick(const float* x, int V, float u, const Cuts& cuts, int64_t exclude 
     return w[i] >= cuts.min_p && (!cut_p || static_cast<float>(w[i] / sum) >= tau);
   };
   double total = 0.0, excluded = 0.0;
-  for (size_t i = 0; i < n; ++i) {
-    if (stays(i)) {
-      total += w[i];
+  if (!cut_p && cuts.min_p == 0.0f) {  // everything stays
+    total = sum;
+    for (size_t i = 0; exclude >= 0 && i < n; ++i) {
       excluded += kept.id[i] == exclude ? w[i] : 0.0;
+    }
+  } else {
+    for (size_t i = 0; i < n; ++i) {
+      if (stays(i)) {
+        total += w[i];
+        excluded += kept.id[i] == exclude ? w[i] : 0.0;
+      }
     }
   }
   if (p_excluded != nullptr && total > 0) {
@@ -255,37 +305,8 @@ uint32_t pick(const float* x, int V, float u, const Cuts& cuts, int64_t exclude 
 // k from the same rising-threshold scan as top-k sampling.
 void logprobs(const float* x, int V, uint32_t token, int k, float* chosen, uint32_t* ids,
               float* values) {
-  vf mv = splat(-INFINITY);
-  int i = 0;
-  for (; i + L <= V; i += L) {
-    const vf v = load(x + i);
-    mv = v > mv ? v : mv;
-  }
-  float m = -INFINITY;
-  for (int j = 0; j < L; ++j) {
-    m = std::max(m, mv[j]);
-  }
-  for (; i < V; ++i) {
-    m = std::max(m, x[i]);
-  }
-  double sum = 0.0;
-  vf sv = {};
-  i = 0;
-  for (; i + L <= V; i += L) {
-    sv += exp(load(x + i) - splat(m));
-    if ((i / L) % 256 == 255) {  // into double every 256 vectors: few terms per float lane
-      for (int j = 0; j < L; ++j) {
-        sum += sv[j];
-      }
-      sv = vf{};
-    }
-  }
-  for (int j = 0; j < L; ++j) {
-    sum += sv[j];
-  }
-  for (; i < V; ++i) {
-    sum += exp1(x[i] - m);
-  }
+  const float m = max_of(x, V);
+  const double sum = exp_sum(x, V, m, nullptr);
   const float lse = m + static_cast<float>(std::log(sum));
   *chosen = token < static_cast<uint32_t>(V) ? x[token] - lse : -INFINITY;
   if (k == 0) {
