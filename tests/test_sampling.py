@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.runtime.generate import prefill
-from engine.runtime.sampling import Sampler, SamplingParams
+from engine.runtime.sampling import RepetitionPenalty, Sampler, SamplingParams
 
 
 def reference(logits, prompt, generated, *, presence=0.0, frequency=0.0, repetition=1.0,
@@ -53,6 +53,18 @@ def test_penalties_match_numpy(presence, frequency, repetition):
             history.append(generated[step])
             for p in sampler.processors:  # the answer's next token, as a pick would push it
                 p.advance(mx.array(generated[step]))
+
+
+def test_repetition_penalty_from_an_empty_history():
+    """No prompt: nothing is penalized until the first pick enters the window; the caller's
+    logits are never written (the penalty scatters into its own array)."""
+    logits = mx.array([2.0, -1.0, 3.0, 0.5])
+    penalty = RepetitionPenalty(2.0, window=4)
+    assert penalty(logits, []).tolist() == [2.0, -1.0, 3.0, 0.5]
+    penalty.advance(mx.array(1))
+    penalty.advance(mx.array(2))
+    assert penalty(logits, [1, 2]).tolist() == [2.0, -2.0, 1.5, 0.5]
+    assert logits.tolist() == [2.0, -1.0, 3.0, 0.5]
 
 
 def test_greedy_answers_with_penalties_match_a_numpy_decode(tiny):

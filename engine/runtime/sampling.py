@@ -157,28 +157,33 @@ class RepetitionPenalty(LogitsProcessor):
     """Divide positive (multiply negative) logits of the last `window` tokens by `penalty`.
 
     The window (prompt included) is a device-side ring of token ids, seeded from the history
-    at the first call and pushed by each pick.
+    at the first call and pushed by each pick. Only the window's logits are read and written
+    (a gather and a scatter of `window` values), not the whole vocabulary.
     """
 
     def __init__(self, penalty: float, window: int):
         self.penalty, self.window = penalty, window
-        self.recent: mx.array | None = None  # [window] ids; -1 marks an empty slot
+        self.recent: mx.array | None = None  # [window] ids, newest last; -1 marks an empty slot
+        self.filled = 0  # slots holding a token (known on the host)
 
     def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
         if self.recent is None:
             tail = list(history[-self.window :])
             self.recent = mx.array([-1] * (self.window - len(tail)) + tail, dtype=mx.int32)
-        seen = (
-            mx.zeros(logits.shape, dtype=mx.float32)
-            .at[mx.maximum(self.recent, 0)]
-            .add((self.recent >= 0).astype(mx.float32))
-        )
-        penalized = mx.where(logits > 0, logits / self.penalty, logits * self.penalty)
-        return mx.where(seen > 0, penalized, logits)
+            self.filled = len(tail)
+        if not self.filled:
+            return logits
+        # Empty slots point at the newest token: every write to one id is then the same value.
+        ids = mx.where(self.recent >= 0, self.recent, self.recent[-1])
+        seen = logits[ids]
+        out = mx.array(logits)  # its own array: the caller's logits stay as they are
+        out[ids] = mx.where(seen > 0, seen / self.penalty, seen * self.penalty)
+        return out
 
     def advance(self, token: mx.array) -> None:
         if self.recent is not None:
             self.recent = mx.concatenate([self.recent[1:], token.reshape(1).astype(mx.int32)])
+            self.filled = min(self.window, self.filled + 1)
 
 
 class PresenceFrequencyPenalty(LogitsProcessor):
