@@ -10,7 +10,8 @@ through MLX's ops (``final_logits`` then a categorical draw: the path on a GPU o
 ``CHATML_NATIVE=0``), and mlx-lm's ``make_sampler`` with the same options (given
 log-probabilities, as ``mlx_lm.generate`` computes them first: that ``logsumexp`` is timed
 with it), and greedy ``argmax`` as the floor; and the log-probabilities a request may ask for
-(the token's and the top 5: ``kernels.sampling.logprobs`` against MLX's ops). Mean milliseconds over `--repeats` picks, all
+(the token's and the top 5: ``kernels.sampling.logprobs`` against MLX's ops), and whole
+``Sampler`` calls with a penalty (the processors, then the pick). Mean milliseconds over `--repeats` picks, all
 in one process, interleaved per configuration; the table ends with one JSON line.
 
 With ``--model``: what sampling adds to a decode step. Greedy decoding against the
@@ -32,6 +33,10 @@ CUTS = {  # name -> (top_k, top_p)
     "top_k 20": (20, 1.0),
     "top_p 0.95": (0, 0.95),
     "temperature alone": (0, 1.0),
+}
+CALLS = {  # a Sampler call with Qwen's instruct cuts (top_k 20, top_p 0.8) and these penalties
+    "call, presence_penalty 1.5": {"presence_penalty": 1.5},
+    "call, repetition_penalty 1.1": {"repetition_penalty": 1.1},
 }
 
 
@@ -76,6 +81,12 @@ def measure(vocab: int, repeats: int, temperature: float = 0.7) -> dict:
         top = mx.argpartition(-lp, 4)[:5]
         return lp[token], top, lp[top]
 
+    # a whole Sampler call (processors, then the pick), as a decode step makes it
+    history = list(range(100))
+    for name, extra in CALLS.items():
+        params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=0, **extra)
+        call = Sampler(params)
+        out[name] = {"chatml_ms": round(_mean_ms(lambda c=call: c(logits, history), repeats), 3)}
     out["logprobs top 5"] = {
         "chatml_ms": round(_mean_ms(lambda: logprobs(logits, token, 5), repeats), 3),
         "mlx_ops_ms": round(_mean_ms(logprobs_mlx_ops, repeats), 2),
@@ -155,6 +166,8 @@ def main() -> None:
     for name in CUTS:
         c, o, m = (r[name][k] for k in ("chatml_ms", "mlx_ops_ms", "mlx_lm_ms"))
         print(f"  {name:<24}{c:>8.2f} ms{o:>8.2f} ms{m:>7.2f} ms{m / c:>14.2f}x")
+    for name in CALLS:
+        print(f"  {name:<30}{r[name]['chatml_ms']:>8.2f} ms")
     lp = r["logprobs top 5"]
     print(f"  {'logprobs, top 5':<24}{lp['chatml_ms']:>8.2f} ms{lp['mlx_ops_ms']:>8.2f} ms")
     print(json.dumps({"bench": "sampling", **result}))

@@ -15,7 +15,9 @@ def test_every_cut_is_timed_for_both_and_reported(capsys, monkeypatch):
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["bench"] == "sampling" and r["vocab"] == 1000
     assert r["sampling"]["greedy_argmax_ms"] > 0
-    assert set(r["sampling"]) == {"greedy_argmax_ms", "logprobs top 5", *sampling.CUTS}
+    assert set(r["sampling"]) == {"greedy_argmax_ms", "logprobs top 5", *sampling.CUTS,
+                                  *sampling.CALLS}  # fmt: skip
+    assert all(r["sampling"][name]["chatml_ms"] > 0 for name in sampling.CALLS)
     assert all(r["sampling"]["logprobs top 5"][k] > 0 for k in ("chatml_ms", "mlx_ops_ms"))
     for name in sampling.CUTS:
         assert all(r["sampling"][name][k] > 0 for k in ("chatml_ms", "mlx_ops_ms", "mlx_lm_ms"))
