@@ -141,6 +141,20 @@ def activation_path() -> str:
     return f"MLX ops (scalar exp on x86: {got.reason})"
 
 
+def sampling_path() -> str:
+    """Which path a sampled token's cuts and draw (and logprobs) take, in words."""
+    from kernels import native
+
+    from .engine import backend
+
+    if backend() != "cpu":
+        return "MLX ops (GPU)"
+    got = native.info()
+    if got.active:
+        return "native pass over the vocabulary"
+    return f"MLX ops (about a dozen passes over the vocabulary: {got.reason})"
+
+
 def _build_kernels(args) -> int:
     import time
 
@@ -202,6 +216,7 @@ def _doctor(args) -> int:
         "float32_batch_path": dense_path(),
         "delta_decode_path": delta_path(),
         "activation_path": activation_path(),
+        "sampling_path": sampling_path(),
         "matmul_gflops_f32": round(blas.measure_gflops(), 1),
         "chatml_home": str(chatml_home()),  # built models, the tokenizer, sessions
     }
