@@ -321,3 +321,26 @@ def test_native_logprobs_match_float64(mod, k):
         assert ids.shape == values.shape == (k,) and len(set(ids.tolist())) == k
         np.testing.assert_allclose(values, np.sort(ref)[::-1][:k], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(values, ref[ids], rtol=1e-5, atol=1e-5)
+
+
+def test_recorded_logprobs_agree_on_both_paths(monkeypatch):
+    """`Sampler(top_logprobs=k)` records the same log-probabilities and top ids through the
+    native pass as through MLX's ops (a GPU's path, or without the native module)."""
+    import kernels.sampling
+
+    logits = mx.random.normal((3, 4000), key=mx.random.key(5)) * 3
+
+    def record(native: bool) -> list:
+        if not native:
+            monkeypatch.setattr(kernels.sampling, "_module", lambda logits: None)
+        sampler = Sampler(SamplingParams(), top_logprobs=5)
+        tokens = [sampler(logits[i], []).item() for i in range(3)]
+        sampler.accept(tokens)
+        monkeypatch.undo()
+        return sampler.recorded
+
+    native, ops = record(True), record(False)
+    for a, b in zip(native, ops, strict=True):
+        assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-5
+        assert [i for i, _ in a.top] == [i for i, _ in b.top]
+        assert np.allclose([v for _, v in a.top], [v for _, v in b.top], atol=1e-5)
