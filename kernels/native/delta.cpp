@@ -31,6 +31,7 @@
 #include "mlx/primitives.h"
 #include "buffers.h"
 #include "pool.h"
+#include "vexp.h"
 
 namespace nb = nanobind;
 using namespace mlx::core;
@@ -38,22 +39,7 @@ using namespace mlx::core;
 namespace chatml {
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int L = 16;
-#else
-constexpr int L = 8;  // AVX2, NEON (two registers) and the compiler's generic vectors
-#endif
-typedef float vf __attribute__((vector_size(L * sizeof(float))));
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));  // an unaligned vector load
-  return v;
-}
-
-inline void store(float* p, vf v) {
-  std::memcpy(p, &v, sizeof(v));
-}
+using namespace simd;  // the vector type, load and store (vexp.h)
 
 inline float hsum(vf v) {
   float s = 0.0f;

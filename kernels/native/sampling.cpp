@@ -365,11 +365,7 @@ class LogProbs : public Primitive {
           logprobs(x + r * V, V, t[r], k, c + r, ids + r * k, vals + r * k);
         }
       };
-      if (rows == 1) {
-        job(0, 1);
-      } else {
-        pool().run(job, static_cast<int>(std::min<size_t>(pool().size(), rows)));
-      }
+      pool().run(job, static_cast<int>(std::min<size_t>(pool().size(), rows)));  // 1 row: here
     });
   }
 
@@ -422,11 +418,7 @@ class Sample : public Primitive {
           po[r] = pick(x + r * V, V, pu[r], cuts, ex ? ex[r] : -1, pe ? pe + r : nullptr);
         }
       };
-      if (rows == 1) {
-        job(0, 1);  // one row: not worth a wake-up
-      } else {
-        pool().run(job, static_cast<int>(std::min<size_t>(pool().size(), rows)));
-      }
+      pool().run(job, static_cast<int>(std::min<size_t>(pool().size(), rows)));  // 1 row: here
     });
   }
 

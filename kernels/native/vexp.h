@@ -1,5 +1,5 @@
-// Whole-vector float math shared by the native passes (activations.cpp, sampling.cpp): the
-// vector type of this CPU and exp on it.
+// Whole-vector float math shared by the native passes (activations.cpp, delta.cpp,
+// sampling.cpp): the vector type of this CPU, unaligned loads and stores, and exp.
 //
 // MLX's CPU backend computes exp one float at a time on x86 (its simd layer has no x86
 // vectors, and each exp calls libm's fmaf), about 80 M/s. Here exp is a Cody-Waite reduction
