@@ -14,7 +14,10 @@ so the ratios share the machine's load; the table ends with one JSON line.
 in a decode step (which streams ~3 GB of them): each call reads the next of enough copies to
 overflow the last-level cache (``--cold-mib``; 0 reuses one matrix, cache-resident when small).
 ``--batch-model`` adds a whole decode step of B rows of that checkpoint with and without the
-native layers. ``--clock cpu`` times process CPU time instead of wall time: on a shared,
+native layers. ``--forms`` adds the native kernel's two forms, forced (dot products: one pass
+over the weights for a few rows; outer products: a register tile of rows x outputs, from 25
+rows with AVX-512), with GFLOP/s beside GB/s for the many-row sizes of a prefill chunk.
+``--clock cpu`` times process CPU time instead of wall time: on a shared,
 loaded machine it leaves out the time other processes held the cores (run it with
 OPENBLAS_NUM_THREADS=1 CHATML_GEMV_THREADS=1, where CPU time is the work of one thread).
 """
@@ -121,8 +124,11 @@ def _best_interleaved(runs: dict, repeats: int) -> dict:
     return best
 
 
-def batch(shapes: list[tuple[int, int]], batches: list[int], repeats: int, cold: int) -> list:
-    """ms per product: MLX vs native, B rows of x against a cold [N, K] float32 weight."""
+def batch(
+    shapes: list[tuple[int, int]], batches: list[int], repeats: int, cold: int, forms: bool = False
+) -> list:
+    """ms per product: MLX vs native, B rows of x against a cold [N, K] float32 weight; with
+    `forms`, the native kernel's two forms too (dot products, outer products)."""
     import itertools
 
     import mlx.core as mx
@@ -146,15 +152,22 @@ def batch(shapes: list[tuple[int, int]], batches: list[int], repeats: int, cold:
             runs = {"mlx": lambda x=x, ws=weights: mx.eval(x @ next(ws).T)}
             if mod is not None:
                 runs["native"] = lambda x=x, ws=weights: mx.eval(mod.dense_gemv(x, next(ws)))
+                for form in ("dot", "outer") if forms else ():
+                    runs[form] = lambda x=x, ws=weights, f=form: mx.eval(
+                        mod.dense_gemv(x, next(ws), form=f)
+                    )
             best = _best_interleaved(runs, repeats)
             row = {"shape": f"{n}x{k}", "rows": b, "mib": round(n * k * 4 / 2**20, 1)}
             for name, t in best.items():
                 row[f"{name}_ms"] = round(t * 1e3, 3)
                 row[f"{name}_gb_s"] = round(n * k * 4 / t / 1e9, 1)
+                row[f"{name}_gflops"] = round(2 * b * n * k / t / 1e9, 1)
             line = f"{row['shape']:>12} B={b:<3} mlx {row['mlx_ms']:8.2f} ms"
             if mod is not None:
                 row["mlx_over_native"] = round(best["mlx"] / best["native"], 2)
                 line += f"  native {row['native_ms']:8.2f} ms  mlx/native {row['mlx_over_native']}"
+            for form in ("dot", "outer") if forms and mod is not None else ():
+                line += f"  {form} {row[f'{form}_ms']:8.2f}"
             rows.append(row)
             print(line, file=sys.stderr, flush=True)
         del views, weights, flat
@@ -220,6 +233,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens before decoding")
     ap.add_argument("--batch", default=None, help="rows of x, e.g. 1,2,4,8,16: the float32 table")
     ap.add_argument("--shapes", default=SHAPES, help="weights NxK for --batch")
+    ap.add_argument("--forms", action="store_true",
+                    help="--batch: also time the native kernel's dot- and outer-product forms")  # fmt: skip
     ap.add_argument("--cold-mib", type=int, default=512, help="weight copies cycled (--batch)")
     ap.add_argument("--batch-model", default=None, help="also time B-row decode steps of this")
     ap.add_argument("--step-child", default=None, help=argparse.SUPPRESS)
@@ -249,7 +264,7 @@ def main() -> None:
             "native": native.info().isa or native.info().reason,
             "cold_mib": args.cold_mib,
             "clock": args.clock,
-            "float32_rows": batch(shapes, batches, args.repeats, args.cold_mib << 20),
+            "float32_rows": batch(shapes, batches, args.repeats, args.cold_mib << 20, args.forms),
         }
         if args.batch_model:
             result["decode_step_ms"] = batch_model(args.batch_model, batches, args.repeats, 32)

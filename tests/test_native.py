@@ -98,6 +98,7 @@ KERNEL_TESTS = (
     "tests/test_native.py::test_rows_at_the_ends_of_the_float_range",
     "tests/test_native.py::test_inputs_that_are_not_row_major",
     "tests/test_dense.py::test_kernel_matches_float64_reference",
+    "tests/test_dense.py::test_prefill_rows_match_float64_reference",
     "tests/test_dense.py::test_matches_mlx_matmul_at_every_phase",
     "tests/test_kernels.py::test_fused_rows_match_reference",
     "tests/test_activations.py::test_gates_match_float64",
@@ -107,8 +108,9 @@ KERNEL_TESTS = (
 
 def test_avx2_kernels_on_any_x86_machine():
     """What AVX2-only CPUs run (the float kernels at 8 lanes, 4 bits as "maddubs", the dense
-    GEMV's 4-row tiles, 8 bits as "maddwd") built with -march=haswell and put through the kernels' float64 checks
-    in a subprocess, so that a machine with AVX-512 (CI's) tests it too."""
+    kernel's 4-row dot-product and 6 x 16 outer-product tiles, 8 bits as "maddwd") built with
+    -march=haswell and put through the kernels' float64 checks in a subprocess, so that a
+    machine with AVX-512 (CI's) tests it too."""
     if not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("needs an x86 CPU with AVX2 and FMA to run a -march=haswell build")
     if native.info().isa == "avx2":

@@ -1,4 +1,6 @@
-// Float32 GEMV over a few rows as an MLX primitive: y [M, N] = x [M, K] @ w [N, K].T.
+// Float32 products of a decode step or a prefill chunk as an MLX primitive:
+// y [M, N] = x [M, K] @ w [N, K].T, as dot products for a few rows of x and as outer products
+// for more (simd_gemm below).
 //
 // A batched decode step multiplies a few rows by every weight matrix. OpenBLAS's sgemm with so
 // few rows reads the weights at about a quarter of sgemv's speed (packing panels made for big
@@ -7,11 +9,12 @@
 // weight vector loaded feeds MB fused multiply-adds and each activation vector R. With more
 // than MB rows of x, the next MB rows reuse the same panel of weight rows from L1/L2, not
 // from memory; x is walked in column blocks that stay in L1 across the panel. Output rows
-// split over the thread pool that the quantized GEMV uses. kernels/native.py sends it 2-32
-// rows (DENSE_ROWS: where it beats sgemm, BENCHMARKS.md).
+// split over the thread pool that the quantized GEMV uses. kernels/native.py sends it up to a
+// prefill chunk's rows (DENSE_ROWS: where it beats sgemm, BENCHMARKS.md).
 //
 // Every output is one float32 dot product: per SIMD lane a running sum over K / width terms,
-// then the lanes added; the order differs from BLAS's, the precision does not.
+// then the lanes added (dot products), or one running sum over K (outer products); the order
+// differs from BLAS's, the precision does not.
 
 #include <algorithm>
 #include <cstdint>
@@ -22,6 +25,7 @@
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -60,6 +64,12 @@ struct Vec {
   static T fma(T a, T b, T c) {
     return _mm512_fmadd_ps(a, b, c);
   }
+  static T broadcast(const float* p) {
+    return _mm512_set1_ps(*p);
+  }
+  static void store(float* p, T v) {
+    _mm512_store_ps(p, v);
+  }
   static float sum(T v) {
     return _mm512_reduce_add_ps(v);
   }
@@ -67,6 +77,10 @@ struct Vec {
 constexpr int weight_rows(int mb) {
   return mb <= 2 ? 6 : mb <= 4 ? 4 : mb <= 6 ? 3 : 2;
 }
+// The outer-product kernel (many rows): kGemmRows weight rows x up to kGemmVecs vectors of x
+// columns: 8 x 3 = 24 accumulators + 3 activation vectors + 1 broadcast weight.
+constexpr int kGemmRows = 8;
+constexpr int kGemmVecs = 3;
 #define CHATML_DENSE_SIMD 1
 #elif defined(__AVX2__) && defined(__FMA__)
 // 16 vector registers: R * MB accumulators + R weight vectors + 1 activation vector.
@@ -99,6 +113,12 @@ struct Vec {
   static T fma(T a, T b, T c) {
     return _mm256_fmadd_ps(a, b, c);
   }
+  static T broadcast(const float* p) {
+    return _mm256_broadcast_ss(p);
+  }
+  static void store(float* p, T v) {
+    _mm256_store_ps(p, v);
+  }
   static float sum(T v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -111,6 +131,9 @@ constexpr int weight_rows(int mb) {
   // rows they measured 3-13% faster than two on the 0.8B's shapes, and never slower.
   return mb <= 1 ? 6 : mb <= 2 ? 4 : 3;
 }
+// The outer-product kernel: 6 x 2 = 12 accumulators + 2 activation vectors + 1 broadcast.
+constexpr int kGemmRows = 6;
+constexpr int kGemmVecs = 2;
 #define CHATML_DENSE_SIMD 1
 #endif
 
@@ -303,9 +326,169 @@ void simd_gemv(const float* x, const float* w, float* y, int M, int N, int K) {
   };
   pool().run(job, parts_for(static_cast<size_t>(N) * K * sizeof(float)));
 }
+
+// Many rows of x: outer products. With more rows than a dot-product tile holds, every weight
+// vector loaded above meets only MB rows, and each output ends in a horizontal sum. Here the
+// product is computed as y.T = w @ x.T: x is packed once per call, transposed, in blocks of
+// up to kGemmVecs vectors of its rows ([block][K][block width], zero-padded), and each step
+// broadcasts one weight from each of kGemmRows weight rows and multiplies it by a block's
+// activations: kGemmRows * NV fused multiply-adds for NV loads and kGemmRows broadcasts, no
+// horizontal sums, the weights read in place (the big operand is never packed). A tile of
+// weight rows stays in L1/L2 while it meets every block, so w is streamed from memory once.
+// Each output is still one float32 dot product, its terms added in k order.
+
+struct Blocks {
+  std::vector<int> m0;    // first row of x in each block
+  std::vector<int> vecs;  // vectors per block (block width = vecs * W)
+  std::vector<size_t> at;  // floats from the packed buffer's start to the block
+  size_t floats = 0;       // the packed buffer's size
+};
+
+// Rows of x in blocks as even as possible of at most kGemmVecs vectors: 4 vectors as 2 + 2,
+// not 3 + 1 (a one-vector block does a broadcast per multiply-add).
+Blocks blocks_for(int M, int K) {
+  Blocks b;
+  const int vecs = (M + W - 1) / W;
+  const int count = (vecs + kGemmVecs - 1) / kGemmVecs;
+  for (int i = 0, v = 0; i < count; ++i) {
+    const int v1 = static_cast<int>(static_cast<int64_t>(vecs) * (i + 1) / count);
+    b.m0.push_back(v * W);
+    b.vecs.push_back(v1 - v);
+    b.at.push_back(b.floats);
+    b.floats += static_cast<size_t>(K) * (v1 - v) * W;
+    v = v1;
+  }
+  return b;
+}
+
+// Packs rows [m0, m0 + vecs * W) of x (M rows of K) as [K][vecs * W], rows past M as zeros.
+void pack(const float* x, int M, int K, int m0, int vecs, float* out) {
+  const int width = vecs * W;
+  for (int m = 0; m < width; ++m) {
+    float* col = out + m;
+    if (m0 + m < M) {
+      const float* row = x + static_cast<size_t>(m0 + m) * K;
+      for (int k = 0; k < K; ++k) {
+        col[static_cast<size_t>(k) * width] = row[k];
+      }
+    } else {
+      for (int k = 0; k < K; ++k) {
+        col[static_cast<size_t>(k) * width] = 0.0f;
+      }
+    }
+  }
+}
+
+// kGemmRows weight rows (row r at w + off[r]) times a packed block of NV vectors of x:
+// y[m][n + r] for the block's `rows` rows of x and the tile's first `live` weight rows.
+// `ahead` (or null) is the next tile's first row: its bytes are prefetched into L2 as this
+// tile's are used, for the tiles after the first.
+// The accumulators must live in registers. GCC (12) keeps an array of vectors that any loop
+// indexes in memory, storing each one back in every step of k, unless every loop over it is
+// unrolled early: hence the pragmas, and the copy to `out` before the rows that are live.
+template <int NV>
+void gemm_tile(const float* w, const size_t (&off)[kGemmRows], int live, const float* xt,
+               int K, int rows, float* y, size_t ldy, const float* ahead) {
+  using T = typename Vec::T;
+  T acc[kGemmRows][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < kGemmRows; ++r) {
+  #pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) {
+      acc[r][j] = Vec::zero();
+    }
+  }
+  constexpr int kWidth = NV * W;
+  for (int k0 = 0; k0 < K; k0 += 16) {  // 16 columns: one cache line of each weight row
+    if (ahead != nullptr) {
+#pragma GCC unroll 16
+      for (int r = 0; r < kGemmRows; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + off[r] + k0), _MM_HINT_T1);
+      }
+    }
+    const int k1 = std::min(K, k0 + 16);
+    for (int k = k0; k < k1; ++k) {
+      T xv[NV];
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) {
+        xv[j] = Vec::load(xt + static_cast<size_t>(k) * kWidth + j * W);
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < kGemmRows; ++r) {
+        const T b = Vec::broadcast(w + off[r] + k);
+  #pragma GCC unroll 16
+        for (int j = 0; j < NV; ++j) {
+          acc[r][j] = Vec::fma(b, xv[j], acc[r][j]);
+        }
+      }
+    }
+  }
+  alignas(64) float out[kGemmRows][kWidth];
+#pragma GCC unroll 16
+  for (int r = 0; r < kGemmRows; ++r) {
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) {
+      Vec::store(out[r] + j * W, acc[r][j]);
+    }
+  }
+  for (int m = 0; m < rows; ++m) {
+    for (int r = 0; r < live; ++r) {
+      y[m * ldy + r] = out[r][m];
+    }
+  }
+}
+
+using GemmTileFn = void (*)(const float*, const size_t (&)[kGemmRows], int, const float*, int,
+                            int, float*, size_t, const float*);
+
+GemmTileFn gemm_tile_for(int vecs) {
+  static const GemmTileFn table[] = {nullptr, gemm_tile<1>, gemm_tile<2>,
+#if defined(__AVX512F__)
+                                     gemm_tile<3>,
+#endif
+  };
+  return table[vecs];
+}
+
+void simd_gemm(const float* x, const float* w, float* y, int M, int N, int K) {
+  const Blocks b = blocks_for(M, K);
+  const int count = static_cast<int>(b.m0.size());
+  std::unique_ptr<float, AlignedFree> xt(
+      static_cast<float*>(std::aligned_alloc(64, (b.floats * sizeof(float) + 63) / 64 * 64)));
+  for (int i = 0; i < count; ++i) {
+    pack(x, M, K, b.m0[i], b.vecs[i], xt.get() + b.at[i]);
+  }
+  auto job = [&](int part, int parts) {
+    int chunk = ((N + parts - 1) / parts + 47) / 48 * 48;
+    int n0 = std::min(N, part * chunk), n1 = std::min(N, n0 + chunk);
+    for (int n = n0; n < n1; n += kGemmRows) {
+      const int live = std::min(kGemmRows, n1 - n);
+      size_t off[kGemmRows];  // rows past the range repeat its last row; their sums are dropped
+      for (int r = 0; r < kGemmRows; ++r) {
+        off[r] = static_cast<size_t>(std::min(r, live - 1)) * K;
+      }
+      const float* tile = w + static_cast<size_t>(n) * K;
+      // the next tile, when it is a whole one (prefetches stay inside w)
+      const float* ahead =
+          n + 2 * kGemmRows <= n1 ? tile + static_cast<size_t>(kGemmRows) * K : nullptr;
+      for (int i = 0; i < count; ++i) {
+        const int rows = std::min(M - b.m0[i], b.vecs[i] * W);
+        gemm_tile_for(b.vecs[i])(tile, off, live, xt.get() + b.at[i], K, rows,
+                                 y + static_cast<size_t>(b.m0[i]) * N + n, N,
+                                 i == 0 ? ahead : nullptr);
+      }
+    }
+  };
+  pool().run(job, parts_for(static_cast<size_t>(N) * K * sizeof(float)));
+}
+// Outer products from 3 dot-product tiles of rows on (25 with AVX-512, 13 with AVX2): measured
+// with `bench.qgemv --batch ... --forms`, where they overtake the dot products.
+constexpr int kGemmFrom = 3 * Vec::kMaxRows + 1;
 constexpr bool kSimd = true;
 #else
 void simd_gemv(const float*, const float*, float*, int, int, int) {}
+void simd_gemm(const float*, const float*, float*, int, int, int) {}
+constexpr int kGemmFrom = 0;
 constexpr bool kSimd = false;
 #endif
 
@@ -314,12 +497,20 @@ bool use_generic() {
   return !kSimd || (env != nullptr && std::string(env) == "generic");
 }
 
-void dense_gemv_impl(const float* x, const float* w, float* y, int M, int N, int K) {
+// Which kernel multiplies: the dot products (kDot), the outer products (kOuter), or by the
+// number of rows (kAuto: outer products from kGemmFrom rows on).
+enum Form { kAuto = 0, kDot = 1, kOuter = 2 };
+
+void dense_gemv_impl(const float* x, const float* w, float* y, int M, int N, int K, int form) {
   if (M == 0 || N == 0) {
     return;
   }
   if (!use_generic()) {
-    simd_gemv(x, w, y, M, N, K);
+    if (form == kOuter || (form == kAuto && M >= kGemmFrom)) {
+      simd_gemm(x, w, y, M, N, K);
+    } else {
+      simd_gemv(x, w, y, M, N, K);
+    }
     return;
   }
   auto job = [&](int part, int parts) {
@@ -332,7 +523,7 @@ void dense_gemv_impl(const float* x, const float* w, float* y, int M, int N, int
 
 class DenseGemv : public UnaryPrimitive {
  public:
-  explicit DenseGemv(Stream stream) : UnaryPrimitive(stream) {}
+  DenseGemv(Stream stream, int form) : UnaryPrimitive(stream), form_(form) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
     out.set_data(allocator::malloc(out.nbytes()));
@@ -344,7 +535,7 @@ class DenseGemv : public UnaryPrimitive {
     const array w = row_major(inputs[1], encoder);
     const int M = x.shape(0), K = x.shape(1), N = out.shape(1);
     encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), yp = out.data<float>(), M, N,
-                      K]() { dense_gemv_impl(xp, wp, yp, M, N, K); });
+                      K, form = form_]() { dense_gemv_impl(xp, wp, yp, M, N, K, form); });
   }
 
   void eval_gpu(const std::vector<array>&, array&) override {
@@ -355,13 +546,16 @@ class DenseGemv : public UnaryPrimitive {
     return "ChatmlDenseGemv";
   }
 
-  bool is_equivalent(const Primitive&) const override {
-    return true;
+  bool is_equivalent(const Primitive& other) const override {
+    return form_ == static_cast<const DenseGemv&>(other).form_;
   }
 
   std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
     return {{inputs[0].shape(0), inputs[1].shape(0)}};
   }
+
+ private:
+  int form_;
 };
 
 void check(bool ok, const std::string& what) {
@@ -372,7 +566,7 @@ void check(bool ok, const std::string& what) {
 
 // x [..., K] @ w [N, K].T -> [..., N], float32. Inputs that are not row-major (a transposed
 // view) are copied to row-major while it runs; others are read in place.
-array dense_gemv(const array& x, const array& w) {
+array dense_gemv(const array& x, const array& w, const std::string& form) {
   check(w.dtype() == float32 && w.ndim() == 2, "w must be a 2-D float32 array [N, K]");
   check(x.dtype() == float32 && x.ndim() >= 1, "x must be a float32 array [..., K]");
   const int N = w.shape(0), K = w.shape(1);
@@ -380,9 +574,12 @@ array dense_gemv(const array& x, const array& w) {
   shapes << "x has " << x.shape(-1) << " columns, w has " << K << " per row";
   check(x.shape(-1) == K, shapes.str());
   check(K > 0 && N > 0, "w must not be empty");
+  check(form == "auto" || form == "dot" || form == "outer",
+        "form must be \"auto\", \"dot\" or \"outer\", not \"" + form + "\"");
+  const int f = form == "dot" ? kDot : form == "outer" ? kOuter : kAuto;
   Stream s = default_stream(Device::cpu);
   const int M = static_cast<int>(x.size() / K);
-  array y(Shape{M, N}, float32, std::make_shared<DenseGemv>(s), {reshape(x, {M, K}, s), w});
+  array y(Shape{M, N}, float32, std::make_shared<DenseGemv>(s, f), {reshape(x, {M, K}, s), w});
   Shape out_shape = x.shape();
   out_shape.back() = N;
   return reshape(y, out_shape, s);
@@ -391,8 +588,11 @@ array dense_gemv(const array& x, const array& w) {
 }  // namespace
 
 void bind_dense(nb::module_& m) {
-  m.def("dense_gemv", &dense_gemv, nb::arg("x"), nb::arg("w"),
-        "x @ w.T for float32 x [..., K] and w [N, K] on the CPU, reading w once (few rows).");
+  m.def("dense_gemv", &dense_gemv, nb::arg("x"), nb::arg("w"), nb::arg("form") = "auto",
+        "x @ w.T for float32 x [..., K] and w [N, K] on the CPU, reading w once: dot products "
+        "for a few rows of x, outer products for more (form: auto, dot or outer).");
+  m.def("dense_outer_from", [] { return use_generic() ? 0 : kGemmFrom; },
+        "Rows of x from which dense_gemv's auto form runs outer products (0: never).");
 }
 
 }  // namespace chatml
