@@ -97,7 +97,8 @@ def native_path() -> str:
 
 
 def dense_path() -> str:
-    """Which path float32 matmuls of a few rows (batched decode) take, in words."""
+    """Which path float32 matmuls of a few rows (decode, batched decode, short prefills) take,
+    in words."""
     from kernels import native
 
     from .engine import backend
@@ -107,8 +108,10 @@ def dense_path() -> str:
     got = native.info()
     lo, hi = native.dense_rows()
     if got.active:
+        outer = native.module().dense_outer_from()
+        form = f": outer products from {outer} rows" if 0 < outer <= hi else ""
         one = "; 1 row: BLAS sgemv" if lo > 1 else ""
-        return f"native GEMV for {lo}-{hi} rows ({got.isa}){one}; more: sgemm"
+        return f"native GEMV for {lo}-{hi} rows ({got.isa}{form}){one}; more: sgemm"
     return f"BLAS sgemm (slower for {lo}-{hi} rows: {got.reason})"
 
 
@@ -208,6 +211,7 @@ def _doctor(args) -> int:
         "blas": info.library,
         "blas_provider": info.provider,
         "blas_core": blas.core(),  # OpenBLAS's kernel set; OPENBLAS_CORETYPE may pin an older one
+        "blas_threads": blas.threads(),  # OPENBLAS_NUM_THREADS, OPENBLAS_THREAD_TIMEOUT
         "blas_note": info.reason,
         "malloc": heap.info(),  # glibc thresholds pinned so step buffers are not refaulted
         "subnormals": subnormals.info(),  # flushed to zero on the engine's threads (x86)

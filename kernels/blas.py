@@ -32,9 +32,15 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BlasInfo", "core", "enable", "info", "measure_gflops"]
+__all__ = ["BlasInfo", "core", "enable", "info", "measure_gflops", "threads"]
 
 FIX_HINT = "pip install scipy-openblas32"
+# OpenBLAS's idle workers spin for 2^OPENBLAS_THREAD_TIMEOUT cycles after each call before they
+# sleep (its default, 28, is ~0.1 s). The native kernels' pool computes on the same cores right
+# after most of a prefill's sgemm calls (attention, the chunked delta rule): spinning workers
+# made a 40-token prefill of the 0.8B 1.4x slower than sleeping ones (BENCHMARKS.md). 12 (~1 us)
+# measured the same as 4 and 16; the user's own setting wins.
+THREAD_TIMEOUT = "12"
 # Everything libmlx imports from a CBLAS (checked with nm -D on mlx 0.32).
 _CBLAS = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")
 _PREFIX = "scipy_"
@@ -102,6 +108,7 @@ def _dlopen_bytes(data: bytes, name: str) -> ctypes.CDLL:
 def _load(path: str, provider: str) -> BlasInfo:
     from kernels import subnormals
 
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", THREAD_TIMEOUT)  # read as the library loads
     with subnormals.flushing():  # OpenBLAS starts its threads now: they keep FTZ/DAZ
         lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     _handles.append(lib)
@@ -136,6 +143,18 @@ def core() -> str:
                 continue
             fn.restype = ctypes.c_char_p
             return (fn() or b"").decode().strip()
+    return ""
+
+
+def threads() -> str:
+    """OpenBLAS's worker threads and how long idle ones spin, e.g. "2 (idle workers sleep
+    after 2^12 cycles)"; "" when the BLAS loaded here is not OpenBLAS."""
+    for lib in _handles:
+        for name in (_PREFIX + "openblas_get_num_threads", "openblas_get_num_threads"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                timeout = os.environ.get("OPENBLAS_THREAD_TIMEOUT", "28")
+                return f"{fn()} (idle workers sleep after 2^{timeout} cycles)"
     return ""
 
 

@@ -54,15 +54,20 @@ __all__ = [
 SOURCE_DIR = Path(__file__).resolve().parent / "native"
 MODULE = "_chatml_qgemv"
 GEMV_ROWS = 64  # up to this many rows of x use the GEMV kernel; more: dequantize + sgemm
-# Float32 rows of x that take the native dense GEMV, by the kernel this CPU runs (measured
-# with `bench.qgemv --batch` and whole decode steps and short prefills, BENCHMARKS.md):
-# - avx512: 1-32 rows. sgemm catches up at about 48. One row too: sgemv reads a matrix as
-#   fast, but OpenBLAS's threads spin after each call on the cores the kernels' pool computes
-#   on next; whole decode steps ran 1.18-1.32x faster with every product here.
-# - avx2 (4 rows of x per register tile, against 8): 2-12 rows. sgemv is faster for one row
-#   (decode steps 1.17-1.21x), and sgemm from about 16 (prefills of 16-32 tokens 1.15-1.49x).
-# - generic (the portable kernel): from 2 rows; one row goes to sgemv.
-DENSE_ROWS = {"avx512": (1, 32), "avx2": (2, 12), "generic": (2, 32)}
+# Float32 rows of x that take the native dense kernel, by the kernel this CPU runs (measured
+# with `bench.qgemv --batch ... --forms` and whole decode steps and prefills, BENCHMARKS.md):
+# - avx512: 1-512 rows, every product of a decode step and of a prefill chunk (PREFILL_CHUNK).
+#   One row: sgemv reads a matrix as fast, but OpenBLAS's threads spin after each call on the
+#   cores the kernels' pool computes on next (whole decode steps 1.18-1.32x faster). Up to 24
+#   rows the kernel reads the weights once for all rows (sgemm reads so few rows' weights at a
+#   quarter of sgemv's speed); from 25 it runs as outer products on a register tile, at or
+#   above sgemm's speed on the 0.8B's shapes (1.0-2x; 40-token prefills 1.4x faster).
+# - avx2 (4 rows of x per dot-product tile, 6 x 16 outer-product tiles): 2-256 rows. sgemv is
+#   faster for one row (decode steps 1.17-1.21x); 16-128 rows 1.1-1.9x sgemm (Haswell
+#   kernels), 256 even (40-token prefills 1.4x faster); whole 512-token chunks were 2-5%
+#   faster on sgemm.
+# - generic (the portable kernel, dot products only): 2-32 rows; one row goes to sgemv.
+DENSE_ROWS = {"avx512": (1, 512), "avx2": (2, 256), "generic": (2, 32)}
 
 
 @dataclass(frozen=True)
@@ -320,10 +325,10 @@ def _dense_rows(isa: str) -> tuple[int, int]:
 
 
 def dense_matmul(x, w):
-    """``x @ w.T`` for a float32 weight ``w [N, K]``: the native GEMV when x has `dense_rows()`
-    rows (a decode step, a batched one, a speculative verify, a short prefill), MLX's matmul
-    otherwise (longer prefills: sgemm; one row where sgemv is faster: sgemv through the BLAS
-    shim) and on the Python path. The same float32 dot products either way, summed in another
+    """``x @ w.T`` for a float32 weight ``w [N, K]``: the native kernel when x has `dense_rows()`
+    rows (a decode step, a batched one, a speculative verify, a prefill chunk), MLX's matmul
+    otherwise (more rows: sgemm; one row where sgemv is faster: sgemv through the BLAS shim) and
+    on the Python path. The same float32 dot products either way, summed in another
     order. A weight that is a view (e.g. transposed) is copied to row-major per call: correct,
     but slow for big matrices."""
     import mlx.core as mx

@@ -219,3 +219,26 @@ def test_mlx_single_row_matmuls_are_exact_with_and_without_gemv(gemv: str) -> No
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["gemv"] is (gemv == "1")
     assert max(r["errs"]) < 1e-4, r
+
+
+@linux_x86
+@needs_openblas
+@pytest.mark.parametrize("preset", [None, "20"])
+def test_idle_openblas_workers_sleep_soon_unless_the_user_says(preset) -> None:
+    """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT as it loads: enable() sets the engine's default
+    (workers sleep after 2^12 cycles instead of spinning ~0.1 s on the cores the native kernels
+    compute on next) before it loads the library, and keeps a value the user set."""
+    code = "import kernels.blas as b, os; b.enable(); "
+    code += "print(os.environ['OPENBLAS_THREAD_TIMEOUT'], '|', b.threads())"
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("CHATML_BLAS", "OPENBLAS_THREAD_TIMEOUT")
+    }
+    env.update(PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="2")
+    if preset:
+        env["OPENBLAS_THREAD_TIMEOUT"] = preset
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    want = preset or "12"
+    assert out.stdout.split("|")[0].strip() == want
+    assert out.stdout.split("|")[1].strip() == f"2 (idle workers sleep after 2^{want} cycles)"

@@ -1,10 +1,12 @@
-"""The native float32 few-row GEMV (kernels/native/dense.cpp) against a float64 numpy
+"""The native float32 dense kernel (kernels/native/dense.cpp) against a float64 numpy
 reference and MLX's matmul, inside `mx.compile`, on awkward inputs, and in the model.
 
-Tolerance: |y - ref| <= 2e-6 * (|x| @ |w|.T) per output. Each output is one float32 dot
-product summed per SIMD lane, then across lanes (K <= 1030 here: at most 65 terms a lane),
-so its error is a few float32 ulps of the sum of magnitudes; MLX's sgemm rounds the same way
-in another order, so native and MLX agree to 1e-5 of that magnitude.
+Tolerance: |y - ref| <= 2e-6 * (|x| @ |w|.T) per output. In the dot-product form (a few
+rows) each output is one float32 dot product summed per SIMD lane, then across lanes (K <= 1030
+here: at most 65 terms a lane); in the outer-product form (from 25 rows with AVX-512) it is one
+float32 fused multiply-add after another over all K (K <= 3584 here). Rounding errors of random
+sign grow as sqrt(terms): measured at most 3.5e-7 of the sum of magnitudes in either form.
+MLX's sgemm rounds the same way in another order, so native and MLX agree to 1e-5 of it.
 """
 
 import threading
@@ -50,6 +52,32 @@ def test_kernel_matches_float64_reference(mod, monkeypatch, isa):
             assert y.shape == (M, N) and y.dtype == mx.float32
             err = np.abs(np.array(y, dtype=np.float64) - ref)
             assert (err <= REL * mag).all(), f"M={M} N={N} K={K}: {(err / mag).max():.2e}"
+
+
+@pytest.mark.parametrize("form", ["auto", "dot", "outer"])
+def test_prefill_rows_match_float64_reference(mod, form):
+    """Prefill-sized x (17-512 rows) in both forms, forced and chosen by size: row counts on
+    both sides of the switch to outer products, tiles cut short in rows (the last row repeated,
+    its sums dropped) and in outputs (N not a multiple of the tile), a K longer than the
+    cache."""
+    shapes = ((37, 19, 0), (200, 513, 5), (1001, 1030, 0), (96, 3584, 1))
+    for N, K, offset in shapes:
+        w = offset_matrix(N, K, offset, seed=N)
+        for M in (17, 24, 25, 33, 48, 100, 200, 512):
+            x = mx.random.normal((M, K), key=mx.random.key(M))
+            y = mod.dense_gemv(x, w, form=form)
+            ref, mag = reference(x, w)
+            assert y.shape == (M, N) and y.dtype == mx.float32
+            err = np.abs(np.array(y, dtype=np.float64) - ref)
+            assert (err <= REL * mag).all(), f"{form} M={M} N={N} K={K}: {(err / mag).max():.2e}"
+    # more rows than one call of the kernel has ever been sent (the packing's blocks grow)
+    w = offset_matrix(37, 19, 0, seed=37)
+    x = mx.random.normal((3100, 19), key=mx.random.key(3100))
+    ref, mag = reference(x, w)
+    err = np.abs(np.array(mod.dense_gemv(x, w, form=form), dtype=np.float64) - ref)
+    assert (err <= REL * mag).all()
+    with pytest.raises(ValueError, match='form must be "auto", "dot" or "outer", not "gemm"'):
+        mod.dense_gemv(x, w, form="gemm")
 
 
 def test_matches_mlx_matmul_at_every_phase(mod):
@@ -174,7 +202,11 @@ def test_doctor_names_the_float32_batch_path(mod, capsys, monkeypatch):
     report = json.loads(capsys.readouterr().out)
     lo, hi = native.dense_rows()
     isa = native.info().isa
-    assert report["float32_batch_path"].startswith(f"native GEMV for {lo}-{hi} rows ({isa})")
+    outer = mod.dense_outer_from()
+    assert 0 < outer <= hi or isa == "generic"  # the SIMD kernels switch within their range
+    form = f": outer products from {outer} rows" if 0 < outer <= hi else ""
+    assert report["float32_batch_path"].startswith(f"native GEMV for {lo}-{hi} rows ({isa}{form})")
+    assert report["blas_threads"] == blas.threads()
     assert report["delta_decode_path"].startswith("native fused update for 1-")
     assert report["activation_path"] == f"native vectorized pass ({isa})"
     assert report["sampling_path"] == "native pass over the vocabulary"
