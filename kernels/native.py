@@ -56,18 +56,20 @@ MODULE = "_chatml_qgemv"
 GEMV_ROWS = 64  # up to this many rows of x use the GEMV kernel; more: dequantize + sgemm
 # Float32 rows of x that take the native dense kernel, by the kernel this CPU runs (measured
 # with `bench.qgemv --batch ... --forms` and whole decode steps and prefills, BENCHMARKS.md):
-# - avx512: 1-512 rows, every product of a decode step and of a prefill chunk (PREFILL_CHUNK).
-#   One row: sgemv reads a matrix as fast, but OpenBLAS's threads spin after each call on the
-#   cores the kernels' pool computes on next (whole decode steps 1.18-1.32x faster). Up to 24
-#   rows the kernel reads the weights once for all rows (sgemm reads so few rows' weights at a
-#   quarter of sgemv's speed); from 25 it runs as outer products on a register tile, at or
-#   above sgemm's speed on the 0.8B's shapes (1.0-2x; 40-token prefills 1.4x faster).
+# - avx512: 1-256 rows: decode steps and short prefills (a chat turn's new exchange). One row:
+#   sgemv reads a matrix as fast, but OpenBLAS's threads spin after each call on the cores the
+#   kernels' pool computes on next (whole decode steps 1.18-1.32x faster). Up to 24 rows the
+#   kernel reads the weights once for all rows (sgemm reads so few rows' weights at a quarter
+#   of sgemv's speed); from 25 it runs outer products on a register tile: 1.1-2x sgemm on the
+#   0.8B's shapes up to 128 rows (40-token prefills 1.3-1.4x faster), 0.9-1.17x at 256. At 384
+#   and 512 rows sgemm's blocking over K wins where K is long (MLP down: 0.88x), and 512-token
+#   prefills were 5-10% faster on sgemm.
 # - avx2 (4 rows of x per dot-product tile, 6 x 16 outer-product tiles): 2-256 rows. sgemv is
 #   faster for one row (decode steps 1.17-1.21x); 16-128 rows 1.1-1.9x sgemm (Haswell
 #   kernels), 256 even (40-token prefills 1.4x faster); whole 512-token chunks were 2-5%
 #   faster on sgemm.
 # - generic (the portable kernel, dot products only): 2-32 rows; one row goes to sgemv.
-DENSE_ROWS = {"avx512": (1, 512), "avx2": (2, 256), "generic": (2, 32)}
+DENSE_ROWS = {"avx512": (1, 256), "avx2": (2, 256), "generic": (2, 32)}
 
 
 @dataclass(frozen=True)

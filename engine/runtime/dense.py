@@ -4,9 +4,8 @@ A batched decode step (or a speculative verify, or a short prefill) multiplies a
 every weight matrix; OpenBLAS's sgemm reads the weights of so few rows at about a quarter of
 sgemv's speed, so a batch of 4 would cost 4 single rows. The native kernel reads each weight
 once for all rows: dot products for a few rows, outer products on a register tile for more,
-up to a whole prefill chunk with AVX-512 (`kernels.native.DENSE_ROWS`, by the CPU's kernel;
-one row too where it is as fast as sgemv and leaves no BLAS threads spinning). More rows
-(a batched prefill) keep MLX's matmul (sgemm).
+up to 256 rows (`kernels.native.DENSE_ROWS`, by the CPU's kernel; one row too where it is as
+fast as sgemv and leaves no BLAS threads spinning). Longer prefills keep MLX's matmul (sgemm).
 
 The classes subclass MLX's layers, so parameters, their names, `nbytes` and `to_quantized`
 are unchanged; only bias-free layers are switched (Qwen3.5 has no biases).

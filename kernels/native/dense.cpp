@@ -9,8 +9,8 @@
 // weight vector loaded feeds MB fused multiply-adds and each activation vector R. With more
 // than MB rows of x, the next MB rows reuse the same panel of weight rows from L1/L2, not
 // from memory; x is walked in column blocks that stay in L1 across the panel. Output rows
-// split over the thread pool that the quantized GEMV uses. kernels/native.py sends it up to a
-// prefill chunk's rows (DENSE_ROWS: where it beats sgemm, BENCHMARKS.md).
+// split over the thread pool that the quantized GEMV uses. kernels/native.py sends it up to
+// 256 rows, a short prefill's (DENSE_ROWS: where it beats sgemm, BENCHMARKS.md).
 //
 // Every output is one float32 dot product: per SIMD lane a running sum over K / width terms,
 // then the lanes added (dot products), or one running sum over K (outer products); the order
