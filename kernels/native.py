@@ -328,7 +328,7 @@ def _dense_rows(isa: str) -> tuple[int, int]:
 
 def dense_matmul(x, w):
     """``x @ w.T`` for a float32 weight ``w [N, K]``: the native kernel when x has `dense_rows()`
-    rows (a decode step, a batched one, a speculative verify, a prefill chunk), MLX's matmul
+    rows (a decode step, a batched one, a speculative verify, a short prefill), MLX's matmul
     otherwise (more rows: sgemm; one row where sgemv is faster: sgemv through the BLAS shim) and
     on the Python path. The same float32 dot products either way, summed in another
     order. A weight that is a view (e.g. transposed) is copied to row-major per call: correct,
