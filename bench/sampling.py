@@ -6,12 +6,13 @@ decode steps ``chatml bench sampling --model qwen3.5-0.8b [--quantize 4] [--toke
 One sampled pick from a vector of `--vocab` random logits (Qwen3.5's vocabulary by default),
 with Qwen's recommended cuts, each cut alone and the temperature alone: this engine's
 ``Sampler.pick`` (on the CPU one native pass, ``kernels/native/sampling.cpp``), the same cuts
-through MLX's ops (``final_logits`` then a categorical draw: the path on a GPU or with
-``CHATML_NATIVE=0``), and mlx-lm's ``make_sampler`` with the same options (given
+through MLX's ops (``final_logits`` then the inverse-CDF ``draw``: the path on a GPU or
+with ``CHATML_NATIVE=0``), and mlx-lm's ``make_sampler`` with the same options (given
 log-probabilities, as ``mlx_lm.generate`` computes them first: that ``logsumexp`` is timed
 with it), and greedy ``argmax`` as the floor; and the log-probabilities a request may ask for
-(the token's and the top 5: ``kernels.sampling.logprobs`` against MLX's ops), and whole
-``Sampler`` calls with a penalty (the processors, then the pick). Mean milliseconds over `--repeats` picks, all
+(the token's and the top 5: ``kernels.sampling.logprobs`` against MLX's ops), whole
+``Sampler`` calls with a penalty (the processors, then the pick), and a batched step's picks
+(``--rows``, default 8: one ``pick_rows`` call against a pick per row, on both paths). Mean milliseconds over `--repeats` picks, all
 in one process, interleaved per configuration; the table ends with one JSON line.
 
 With ``--model``: what sampling adds to a decode step. Greedy decoding against the
@@ -50,11 +51,11 @@ def _mean_ms(fn, repeats: int) -> float:
     return (time.perf_counter() - t0) / repeats * 1e3
 
 
-def measure(vocab: int, repeats: int, temperature: float = 0.7) -> dict:
+def measure(vocab: int, repeats: int, temperature: float = 0.7, rows: int = 8) -> dict:
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
-    from engine.runtime.sampling import Sampler, SamplingParams
+    from engine.runtime.sampling import Sampler, SamplingParams, draw
     from kernels.sampling import logprobs
 
     logits = mx.random.normal((vocab,), key=mx.random.key(0)) * 3
@@ -65,7 +66,7 @@ def measure(vocab: int, repeats: int, temperature: float = 0.7) -> dict:
         theirs = make_sampler(temp=temperature, top_k=top_k, top_p=top_p if top_p < 1 else 0.0)
 
         def mlx_ops(s=ours):
-            return mx.random.categorical(s.final_logits(logits), key=s.subkey())
+            return draw(s.final_logits(logits), s.uniform())
 
         out[name] = {
             "chatml_ms": round(_mean_ms(lambda s=ours: s.pick(logits), repeats), 3),
@@ -91,7 +92,41 @@ def measure(vocab: int, repeats: int, temperature: float = 0.7) -> dict:
         "chatml_ms": round(_mean_ms(lambda: logprobs(logits, token, 5), repeats), 3),
         "mlx_ops_ms": round(_mean_ms(logprobs_mlx_ops, repeats), 2),
     }
+    out["rows"] = measure_rows(vocab, rows, repeats)
     return out
+
+
+def measure_rows(vocab: int, rows: int, repeats: int) -> dict:
+    """A batched step's picks: `rows` rows with Qwen's cuts (top_k 20, top_p 0.95), each
+    seeded, picked together (`pick_rows`: one draw over `[rows, V]`) against one pick per
+    row, on the native pass and through MLX's ops (a GPU's path, timed here on the CPU)."""
+    import mlx.core as mx
+
+    from engine.runtime.sampling import Sampler, SamplingParams, draw, pick_rows
+
+    x = mx.random.normal((rows, vocab), key=mx.random.key(1)) * 3
+    mx.eval(x)
+    samplers = [Sampler(SamplingParams(temperature=0.7, top_k=20, top_p=0.95, seed=i))
+                for i in range(rows)]  # fmt: skip
+    history = [[] for _ in range(rows)]
+    each = list(x)  # the rows as a step hands them over
+
+    def native_together():
+        return pick_rows(samplers, each, history)
+
+    def native_alone():
+        return [s(row, []) for s, row in zip(samplers, each)]
+
+    def ops_together():
+        return draw(samplers[0].final_logits(x), mx.stack([s.uniform() for s in samplers]))
+
+    def ops_alone():
+        return [draw(s.final_logits(row), s.uniform()) for s, row in zip(samplers, each)]
+
+    timed = {name: round(_mean_ms(fn, repeats), 3) for name, fn in (
+        ("native_together_ms", native_together), ("native_alone_ms", native_alone),
+        ("mlx_ops_together_ms", ops_together), ("mlx_ops_alone_ms", ops_alone))}  # fmt: skip
+    return {"rows": rows, **timed}
 
 
 def measure_decode(model: str, quantize: int | None, tokens: int, repeats: int) -> dict:
@@ -132,6 +167,7 @@ def measure_decode(model: str, quantize: int | None, tokens: int, repeats: int) 
 def main() -> None:
     ap = argparse.ArgumentParser(prog=sys.argv[0], description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", type=int, default=248320)
+    ap.add_argument("--rows", type=int, default=8, help="rows of a batched step's picks")
     ap.add_argument("--repeats", type=int, help="picks to average (30), or decodes (4)")
     ap.add_argument("--model", help="time whole decode steps of this model instead")
     ap.add_argument("--quantize", type=int, choices=[4, 8], help="with --model")
@@ -157,7 +193,7 @@ def main() -> None:
 
     repeats = a.repeats or 30
     before = conditions()["load_average"]
-    r = measure(a.vocab, repeats)
+    r = measure(a.vocab, repeats, rows=a.rows)
     result = {"vocab": a.vocab, "repeats": repeats, "loadavg_before": before,
               "conditions": conditions(), "sampling": r}  # fmt: skip
     print(f"one pick over {a.vocab} logits, mean of {repeats}; greedy argmax "
@@ -170,6 +206,12 @@ def main() -> None:
         print(f"  {name:<30}{r[name]['chatml_ms']:>8.2f} ms")
     lp = r["logprobs top 5"]
     print(f"  {'logprobs, top 5':<24}{lp['chatml_ms']:>8.2f} ms{lp['mlx_ops_ms']:>8.2f} ms")
+    b = r["rows"]
+    print(
+        f"  {b['rows']} seeded rows (top_k 20, top_p 0.95), together / one by one: native "
+        f"{b['native_together_ms']:.2f} / {b['native_alone_ms']:.2f} ms, MLX ops "
+        f"{b['mlx_ops_together_ms']:.2f} / {b['mlx_ops_alone_ms']:.2f} ms"
+    )
     print(json.dumps({"bench": "sampling", **result}))
     write_json(a.json, result)
 

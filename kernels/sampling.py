@@ -27,14 +27,13 @@ def _module(logits: mx.array):
     return _native.module()
 
 
-def sample(logits: mx.array, key: mx.array | None, *, temperature: float, top_k: int = 0,
+def sample(logits: mx.array, u: mx.array, *, temperature: float, top_k: int = 0,
            top_p: float = 1.0, min_p: float = 0.0) -> mx.array | None:  # fmt: skip
-    """A token per row of float32 `logits` `[..., V]` after the cuts, drawn at a uniform from
-    `key` (None: MLX's global generator), on the CPU with the native module built; None
-    otherwise (the caller runs MLX's ops)."""
+    """A token per row of float32 `logits` `[..., V]` after the cuts, drawn at the row's
+    uniform `u` `[...]`, on the CPU with the native module built; None otherwise (the caller
+    runs MLX's ops)."""
     if (mod := _module(logits)) is None:
         return None
-    u = mx.random.uniform(shape=logits.shape[:-1], key=key)
     return mod.sample(logits, u, temperature, top_k, top_p, min_p)
 
 

@@ -273,6 +273,31 @@ def test_concurrent_requests_batch_and_answer_as_alone(eng):
     assert other.batch_stats["widest"] <= 1
 
 
+def test_seeded_sampled_rows_pick_together_and_draw_as_alone(eng, monkeypatch):
+    """Sampled requests (seeded, Qwen's cuts, one with a penalty, one greedy beside them):
+    their rows' picks are made in one draw per step, and each answer is the one the same
+    request gets alone: a row's uniforms come from its own seed, whatever rows share the
+    draw."""
+    import engine.runtime.sampling as sampling
+
+    widest = []
+    real = sampling._picks
+    monkeypatch.setattr(sampling, "_picks", lambda x, s: widest.append(len(s)) or real(x, s))
+    cuts = {"temperature": 0.9, "top_k": 20, "top_p": 0.95, "max_tokens": 12}
+    options = [{**cuts, "seed": 1}, {**cuts, "seed": 2, "presence_penalty": 1.5},
+               {**cuts, "seed": 3}, {"max_tokens": 12}]  # fmt: skip
+    held = Held(eng)
+    requests = [Request(eng, messages(50 + i), **o) for i, o in enumerate(options)]
+    held.release()
+    turns = [r.turn() for r in requests]
+    assert max(widest) == 3  # the three sampled rows in one draw
+    check_alone(eng, turns[3], max_tokens=12)
+    other = engine.load("tiny", max_batch=1)
+    for i, o in enumerate(options):
+        assert Request(other, messages(50 + i), **o).turn().token_ids == turns[i].token_ids
+    assert len({tuple(t.token_ids) for t in turns}) == 4
+
+
 def test_rows_that_hand_over_different_items_per_token_still_share_every_step(eng):
     # One request with logprobs (two items for most tokens: logprobs, text) and one without
     # (one item, or none for a token that completes no text): their rows must still meet in

@@ -10,13 +10,16 @@ from bench import sampling
 
 
 def test_every_cut_is_timed_for_both_and_reported(capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["chatml bench sampling", "--vocab", "1000", "--repeats", "2"])
+    monkeypatch.setattr(sys, "argv", ["chatml bench sampling", "--vocab", "1000", "--repeats", "2",
+                                      "--rows", "3"])  # fmt: skip
     sampling.main()
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["bench"] == "sampling" and r["vocab"] == 1000
     assert r["sampling"]["greedy_argmax_ms"] > 0
-    assert set(r["sampling"]) == {"greedy_argmax_ms", "logprobs top 5", *sampling.CUTS,
+    assert set(r["sampling"]) == {"greedy_argmax_ms", "logprobs top 5", "rows", *sampling.CUTS,
                                   *sampling.CALLS}  # fmt: skip
+    rows = r["sampling"]["rows"]
+    assert rows["rows"] == 3 and all(v > 0 for k, v in rows.items() if k.endswith("_ms"))
     assert all(r["sampling"][name]["chatml_ms"] > 0 for name in sampling.CALLS)
     assert all(r["sampling"]["logprobs top 5"][k] > 0 for k in ("chatml_ms", "mlx_ops_ms"))
     for name in sampling.CUTS:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.runtime.generate import prefill
-from engine.runtime.sampling import RepetitionPenalty, Sampler, SamplingParams
+from engine.runtime.sampling import RepetitionPenalty, Sampler, SamplingParams, draw, pick_rows
 
 
 def reference(logits, prompt, generated, *, presence=0.0, frequency=0.0, repetition=1.0,
@@ -259,8 +259,8 @@ def test_seeded_picks_follow_the_distribution(mod):
 
 
 def test_pick_without_native_kernels_draws_from_the_cuts(monkeypatch):
-    """Off the native path (CHATML_NATIVE=0, or a GPU) the pick is MLX's categorical draw over
-    `final_logits`: it never lands on a cut token."""
+    """Off the native path (CHATML_NATIVE=0, or a GPU) the pick is MLX's inverse-CDF `draw`
+    over `final_logits`: it never lands on a cut token."""
     from kernels import native
 
     monkeypatch.setenv("CHATML_NATIVE", "0")
@@ -344,3 +344,99 @@ def test_recorded_logprobs_agree_on_both_paths(monkeypatch):
         assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-5
         assert [i for i, _ in a.top] == [i for i, _ in b.top]
         assert np.allclose([v for _, v in a.top], [v for _, v in b.top], atol=1e-5)
+
+
+@pytest.mark.parametrize("top_k, min_p, top_p", CUTS)
+def test_cuts_cut_each_row_of_a_batch_as_the_float64_reference(top_k, min_p, top_p):
+    """`final_logits` over rows `[n, V]` (a batch's picks): each row keeps the tokens the
+    float64 reference keeps for that row alone, ties and all."""
+    rng = np.random.default_rng(top_k + 23)
+    rows = np.round(rng.normal(0.0, 2.0, (4, 257)) * [[1], [2], [0.5], [3]], 1).astype(np.float32)
+    params = SamplingParams(temperature=0.7, top_k=top_k, min_p=min_p, top_p=top_p)
+    got = np.array(Sampler(params).final_logits(mx.array(rows)), dtype=np.float64)
+    for row, out in zip(rows, got):
+        want = cuts_reference(row, 0.7, top_k, min_p, top_p)
+        assert (np.isinf(out) == np.isinf(want)).all()
+        assert np.allclose(out[~np.isinf(want)], want[~np.isinf(want)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("top_k, min_p, top_p", [*CUTS, (0, 0.0, 1.0)])
+def test_mlx_draw_matches_the_float64_draw(top_k, min_p, top_p):
+    """Off the native path (a GPU) rows are drawn by `draw`: the reference's token for each
+    row's u wherever that token is robust (see `draw_reference`), 90% of cases at least."""
+    rng = np.random.default_rng(top_k + 5)
+    params = SamplingParams(temperature=0.7, top_k=top_k, min_p=min_p, top_p=top_p)
+    robust = cases = 0
+    for trial in range(4):
+        rows = rng.normal(0.0, 2.0 + trial, (8, 3000)).astype(np.float32)
+        if trial % 2:
+            rows = np.round(rows, 0)
+        us = rng.uniform(0.0, 1.0, 8).astype(np.float32)
+        got = draw(Sampler(params).final_logits(mx.array(rows)), mx.array(us)).tolist()
+        for row, u, token in zip(rows, us, got):
+            want = draw_reference(row, float(u), 0.7, top_k, min_p, top_p)
+            cases += 1
+            if want is not None:
+                assert token == want, (trial, float(u))
+                robust += 1
+    assert robust >= 0.9 * cases
+
+
+def test_mlx_draw_edges():
+    """A masked vocabulary, u at the ends, and a row with nothing left (every logit -inf:
+    token 0, as the native pass answers)."""
+    masked = np.full((3, 3000), -np.inf, dtype=np.float32)
+    masked[:, [7, 900, 2999]] = [1.0, 3.0, 2.0]
+    us = [0.0, 0.5, 0.99]
+    got = draw(mx.array(masked), mx.array(us)).tolist()
+    assert got == [draw_reference(masked[0], u, 1.0, 0, 0.0, 1.0) for u in us]
+    assert draw(mx.full((2, 10), -mx.inf), mx.array([0.2, 0.7])).tolist() == [0, 0]
+
+
+PICKS = [dict(), dict(temperature=0.8, top_k=20, top_p=0.95, seed=1),
+         dict(temperature=0.8, top_k=20, top_p=0.95, seed=2, presence_penalty=1.5),
+         dict(), dict(temperature=0.8, top_k=20, top_p=0.95, seed=3, repetition_penalty=1.2),
+         dict(temperature=1.1, min_p=0.05, seed=4)]  # fmt: skip
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_rows_picked_together_pick_as_each_row_alone(monkeypatch, native):
+    """`pick_rows` over six rows (greedy, sampled with the same cuts and seeds of their own,
+    penalties, other cuts, logprobs): every row's tokens and logprobs, over eight steps, are
+    those of its sampler called alone; rows sharing their cuts are picked in one call."""
+    import engine.runtime.sampling as sampling
+
+    if not native:
+        monkeypatch.setattr("kernels.sampling._module", lambda logits: None)
+    calls = []
+    real = sampling._picks
+    monkeypatch.setattr(sampling, "_picks", lambda x, s: calls.append(x.shape) or real(x, s))
+    V = 5000
+    steps = mx.random.normal((8, len(PICKS), V), key=mx.random.key(9)) * 2
+
+    def samplers():
+        return [Sampler(SamplingParams(**o), top_logprobs=2 if i == 0 else None)
+                for i, o in enumerate(PICKS)]  # fmt: skip
+
+    together, alone = samplers(), samplers()
+    histories = [[5, 6, 7] for _ in PICKS]
+    got, want = [], []
+    for logits in steps:
+        got.append([t.item() for t in pick_rows(together, list(logits), histories)])
+        want.append([s(logits[i], histories[i]).item() for i, s in enumerate(alone)])
+        for history, token in zip(histories, got[-1]):
+            history.append(token)
+    assert got == want
+    assert len({tuple(row) for row in np.array(got).T.tolist()}) == len(PICKS)  # rows differ
+    together[0].accept([row[0] for row in got])
+    alone[0].accept([row[0] for row in want])
+    assert [(r.token, r.logprob) for r in together[0].recorded] == [
+        (r.token, r.logprob) for r in alone[0].recorded]  # fmt: skip
+    # Per step: greedy rows 0 and 3 in one argmax, rows 1, 2 and 4 (top_k 20, top_p 0.95 at
+    # 0.8) in one draw, row 5 alone; then each row alone.
+    n = 3 + len(PICKS)
+    assert len(calls) == 8 * n
+    for step in range(8):
+        made = calls[step * n : (step + 1) * n]
+        assert sorted(made[:3]) == sorted([(2, V), (3, V), (V,)])
+        assert made[3:] == [(V,)] * len(PICKS)

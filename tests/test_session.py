@@ -367,16 +367,19 @@ def test_bad_session_options_raise_when_the_session_is_made(tiny, options, error
         tiny.session(**{"system": "sys", **options})
 
 
-class StopAfter(Sampler):
-    """Greedy, but picks the stop token at pick `n + 1`: an answer that ends by itself."""
+class StopAfter:
+    """Greedy, but picks the stop token at pick `n + 1`: an answer that ends by itself (a
+    callable that is not a `Sampler`: the decode loop calls it for every pick)."""
+
+    reads_history = False
 
     def __init__(self, eng, n):
-        super().__init__(SamplingParams())
+        self.greedy = Sampler(SamplingParams())
         self.stop, self.n, self.picks = eng.stop_ids[0], n, 0
 
     def __call__(self, logits, recent):
         self.picks += 1
-        return mx.array(self.stop) if self.picks > self.n else super().__call__(logits, recent)
+        return mx.array(self.stop) if self.picks > self.n else self.greedy(logits, recent)
 
 
 @pytest.mark.parametrize("n", [0, 1, 3])

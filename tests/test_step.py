@@ -12,7 +12,7 @@ import pytest
 from engine.runtime.cache import KVCache
 from engine.runtime.generate import decode, prefill
 from engine.runtime.sampling import LogitsProcessor, Sampler, SamplingParams
-from engine.runtime.step import Row, accepted, forward, rollback
+from engine.runtime.step import Row, accepted, forward, rollback, run
 
 PROMPT = [9707, 11, 1879, 0, 3555, 525, 498, 30, 151645, 198, 151644, 77091, 198] * 3
 
@@ -209,3 +209,43 @@ def test_penalties_run_ahead_and_equal_step_by_step_decoding(tiny):
     ahead, stepwise = run([]), run([HostBound()])
     assert ahead == stepwise
     assert ahead != _greedy(tiny.model, PROMPT, 12)  # the penalties changed the answer
+
+
+def test_a_step_that_fails_in_a_pick_leaves_every_row_and_sampler_as_before(tiny):
+    """`step.run`: the pass goes through, then one row's processor raises while the picks are
+    made. Every row's caches are back at the step's start and no sampler holds a pick, so the
+    step is served again as if it never ran: the picks equal those of a run that never
+    failed."""
+    model = tiny.model
+
+    class Fails(LogitsProcessor):
+        armed = True
+
+        def __call__(self, logits, history):
+            if Fails.armed:
+                raise RuntimeError("injected pick failure")
+            return logits
+
+    def rows(samplers):
+        out = []
+        for n, sampler in zip((5, 9), samplers):
+            caches = model.make_caches()
+            prefill(model, caches, PROMPT[:n], 0)
+            out.append(Row(caches, [PROMPT[n]], sampler=sampler, history=PROMPT[:n]))
+        return out
+
+    params = SamplingParams(temperature=0.8, top_k=20, seed=4)
+    samplers = [Sampler(params), Sampler(params, [Fails()])]
+    failing = rows(samplers)
+    before = [_states(r.caches) for r in failing]
+    with pytest.raises(RuntimeError, match="injected pick failure"):
+        run(model, failing)
+    for row, states in zip(failing, before):
+        assert row.caches[0].offset == len(row.history)
+        for a, b in zip(_states(row.caches), states, strict=True):
+            assert np.array_equal(a, b)
+    assert all(s._last is None for s in samplers)
+    Fails.armed = False
+    picks = [t.item() for _, _, t in run(model, failing)]
+    clean = [t.item() for _, _, t in run(model, rows([Sampler(params), Sampler(params)]))]
+    assert picks == clean

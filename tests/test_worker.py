@@ -282,11 +282,11 @@ def test_ctrl_c_while_waiting_for_the_next_piece_leaves_no_trace(tiny, monkeypat
 
         calls = 0
 
-        def __call__(self, logits, recent):
+        def begin(self, logits, recent):  # every pick, alone or with other rows
             Interrupting.calls += 1
             if Interrupting.calls == 3:
                 signal.pthread_kill(main, signal.SIGINT)
-            return super().__call__(logits, recent)
+            return super().begin(logits, recent)
 
     monkeypatch.setattr("engine.session.Sampler", Interrupting)
     with pytest.raises(KeyboardInterrupt):

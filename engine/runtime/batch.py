@@ -15,7 +15,8 @@ prefill in the same passes.
 Every row keeps its own caches (a row's KV cache has its own length; each row's Gated
 DeltaNet state is read and written as its own array by the fused CPU kernel, stacked for the
 step and split back elsewhere), so reuse, snapshots and rollback stay per sequence exactly
-as at batch 1. Sampling runs per row, with the row's own sampler.
+as at batch 1. The rows' next tokens are picked together after the pass (`step.run`), each
+with its own sampler: one draw per group of rows that share their cuts.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import mlx.core as mx
 
 from .cache import RecurrentCache
 from .generate import decode_steps, settle
-from .step import Mark, Row, cut, forward, rollback
+from .step import Mark, Row, cut, rollback, run
 
 DEFAULT_MAX_BATCH = 8
 # Tokens in one pass at most: a pass that prefills stalls every row decoding beside it, for
@@ -63,7 +64,7 @@ class _Arrival:
 class _Ticket:
     row: Row
     arrival: _Arrival
-    result: tuple[mx.array, Mark] | None = None
+    result: tuple[mx.array | None, Mark, mx.array | None] | None = None  # `step.run`'s
     error: BaseException | None = None  # the step failed for this row: raised in its loop
 
 
@@ -97,7 +98,7 @@ class Batch:
         if not tickets:
             return
         try:
-            results = forward(self.model, [t.row for t in tickets])
+            results = run(self.model, [t.row for t in tickets])
         except Exception as e:  # the rows are back where they were: find whose it is
             if len(tickets) == 1:
                 tickets[0].error = e
@@ -105,7 +106,7 @@ class Batch:
             results = []
             for ticket in tickets:  # a row's failure never fails the others
                 try:
-                    results.append(forward(self.model, [ticket.row])[0])
+                    results.append(run(self.model, [ticket.row])[0])
                 except Exception as e:
                     ticket.error = e
                     results.append(None)
@@ -194,7 +195,7 @@ class Batch:
                     if ticket in self._waiting:
                         self._waiting.remove(ticket)
                 else:
-                    _, mark = ticket.result
+                    mark = ticket.result[1]
                     rollback(ticket.row.caches, mark, mark.start)
             steps.close()
 

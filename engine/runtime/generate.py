@@ -18,7 +18,7 @@ from kernels.choice import device_kind
 from .memory import clear_between_chunks
 from .model import Qwen35
 from .sampling import Sampler
-from .step import Row, forward, rollback
+from .step import Row, rollback, run
 
 PREFILL_CHUNK = 512
 
@@ -63,7 +63,7 @@ def prefill_steps(
     """Feed `ids[start:]`; call `on_stop(pos, layers)` after reaching each position in `stops`.
 
     A coroutine as `decode_steps` is: it yields a `Row` per chunk (and is sent back the row's
-    `(logits, Mark)`: whoever runs it serves the pass, alone or packed with other rows), and
+    `(logits, Mark, None)`: whoever runs it serves the pass, alone or packed with other rows), and
     yields the position reached after each chunk but the last, so a caller can let other work
     run between chunks. The rows are partial: a batch may feed a prefix of a chunk only, to
     keep its pass within budget (`batch.Batch`), and the next chunk starts where it stopped.
@@ -83,7 +83,7 @@ def prefill_steps(
         row = Row(caches, ids[pos:end], logits=int(end == len(ids) and logits),
                   keep=[s - pos for s in stops if pos < s < end], partial=True,
                   left=len(ids) - pos)  # fmt: skip
-        step_logits, mark = yield row
+        step_logits, mark, _ = yield row
         end = pos + mark.end - mark.start  # where the pass stopped (a cut row: before `end`)
         inside = sorted(s for s in stops if pos < s <= end)
         if step_logits is not None:
@@ -145,7 +145,7 @@ def run_steps(model, steps: Generator) -> Generator:
             item = next(steps)
             while True:
                 if isinstance(item, Row):
-                    item = steps.send(forward(model, [item])[0])
+                    item = steps.send(run(model, [item])[0])
                 else:
                     yield item  # a consumer that stops here closes `steps` at its token
                     item = next(steps)
@@ -163,18 +163,28 @@ def settle(caches: list, sampler) -> None:
 
 def decode_steps(caches, logits, sampler, *, max_tokens, stop_ids, history) -> Generator:
     """The decode loop as a coroutine: it yields a `Row` when it needs a step (and is sent
-    back that row's `(logits, Mark)`), and yields each token (an int) as it is read. Whoever
-    runs it decides how steps are served: at once (`run_steps`) or batched with other rows."""
+    back that row's `(logits, Mark, token)`), and yields each token (an int) as it is read.
+    Whoever runs it decides how steps are served: at once (`run_steps`) or batched with other
+    rows. A `Sampler` rides on the row, and the runner picks its token with the other rows'
+    (`step.run`); any other callable `sampler(logits, history)` picks here."""
     ahead = not getattr(sampler, "reads_history", True)
     accept = getattr(sampler, "accept", None)
+    shared = sampler if isinstance(sampler, Sampler) else None
+
+    def step(ids) -> Generator:
+        """A step for `ids`; returns (the next token, queued with the caches, the Mark)."""
+        step_logits, mark, token = yield Row(caches, ids, sampler=shared, history=history)
+        if token is None:
+            token = sampler(step_logits[-1], history)
+        mx.async_eval(token, *cache_arrays(caches))
+        return token, mark
+
     y = sampler(logits, history)
     for i in range(max_tokens):
         last = i == max_tokens - 1
         mark = None
         if ahead and 0 < i and not last:
-            step_logits, mark = yield Row(caches, y.reshape(1))
-            next_y = sampler(step_logits[-1], history)
-            mx.async_eval(next_y, *cache_arrays(caches))
+            next_y, mark = yield from step(y.reshape(1))
         token = y.item()
         history.append(token)
         if accept is not None:
@@ -190,8 +200,6 @@ def decode_steps(caches, logits, sampler, *, max_tokens, stop_ids, history) -> G
                 rollback(caches, mark, mark.start)
             return
         if mark is None:
-            step_logits, _ = yield Row(caches, (token,))
-            y = sampler(step_logits[-1], history)
-            mx.async_eval(y, *cache_arrays(caches))
+            y, _ = yield from step((token,))
         else:
             y = next_y

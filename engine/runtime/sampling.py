@@ -2,7 +2,11 @@
 
 A row's chain runs in one fixed order: the penalties (repetition, then presence and
 frequency), then a thinking budget, then the grammar mask (constrained decoding), then the
-pick (greedy, or temperature with top-k, top-p, min-p and a seeded key).
+pick (greedy, or temperature with top-k, top-p, min-p and a seeded key). Rows decoding in
+one batched step are picked together (`pick_rows`): each row's chain on its own logits, then
+one pick per group of rows that share their cuts, each row drawing at a uniform from its own
+key, so a row's tokens are those it would draw alone. A draw is the inverse CDF over the cut
+distribution in index order, on the CPU one native pass, elsewhere MLX's ops (`draw`).
 
 Log-probabilities reported to callers (`Sampler(..., top_logprobs=k)`, `Turn.logprobs`) are
 those of the model's distribution: log_softmax of the raw logits, before penalties, masks,
@@ -247,12 +251,30 @@ class Sampler:
 
     def sample(self, logits: mx.array, history: Sequence[int]) -> tuple[mx.array, mx.array]:
         """(the pick, the processed logits it was picked from: see `logprobs`)."""
+        processed = self.begin(logits, history)
+        pick = self.pick(processed)
+        self.end(logits, pick)
+        return pick, processed
+
+    def begin(self, logits: mx.array, history: Sequence[int]) -> mx.array:
+        """A pick's first half: the previous pick to the processors, then this row's logits
+        through them. Processors' calls change nothing, so a pick that fails before `end`
+        can be made again."""
         self._advance()
-        processed = self.process(logits, history)
-        self._last = self.pick(processed)
+        return self.process(logits, history)
+
+    def end(self, logits: mx.array, pick: mx.array) -> None:
+        """A pick's second half: `pick` (from the raw `logits`) becomes the last one."""
+        self._last = pick
         if self.top_logprobs is not None:
-            self._record(logits, self._last)
-        return self._last, processed
+            self._record(logits, pick)
+
+    @property
+    def cuts(self) -> tuple:
+        """What the pick does with processed logits: rows with equal cuts are picked in one
+        call (`pick_rows`)."""
+        p = self.p
+        return (0.0,) if p.temperature == 0 else (p.temperature, p.top_k, p.top_p, p.min_p)
 
     def _advance(self) -> None:
         """Pass the previous pick to the processors (each waits until the next is needed)."""
@@ -345,19 +367,8 @@ class Sampler:
                 self.recorded.append(TokenLogprob(token, chosen.item(), pairs))
 
     def pick(self, logits: mx.array) -> mx.array:
-        """The next token from processed logits `[V]`: greedy, or drawn after the cuts. On the
-        CPU the cuts and the draw are one native pass (`kernels.sampling`: the same cuts, the
-        inverse CDF at a uniform drawn from the row's key); elsewhere MLX's categorical draw
-        over `final_logits`."""
-        p = self.p
-        if p.temperature == 0:
-            return mx.argmax(logits)
-        key = self.subkey()
-        picked = sample(logits, key, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                        min_p=p.min_p)  # fmt: skip
-        if picked is not None:
-            return picked
-        return mx.random.categorical(self.final_logits(logits), key=key)
+        """The next token from processed logits `[V]` (see `pick_rows`)."""
+        return _picks(logits, [self])
 
     def residual(self, processed: mx.array, drafts: Sequence[int], key: mx.array | None
                  ) -> tuple[mx.array, mx.array]:  # fmt: skip
@@ -380,32 +391,41 @@ class Sampler:
         return p_draft, mx.random.categorical(residual, axis=-1, key=key)
 
     def final_logits(self, logits: mx.array) -> mx.array:
-        """What a sampled pick draws from: `logits / temperature` with the top-k, min-p and
-        top-p cuts set to -inf (temperature > 0; speculative sampling reads it too)."""
+        """What a sampled pick draws from: `logits / temperature` `[..., V]` with the top-k,
+        min-p and top-p cuts of each row set to -inf (temperature > 0; speculative sampling
+        reads it too)."""
         p = self.p
         logits = logits / p.temperature
+        V = logits.shape[-1]
         if p.top_k:
             # the k-th largest value: a partition, not a sort of the vocabulary (2.7 vs 24 ms
             # over 248k logits on a CPU core)
-            kth = mx.topk(logits, min(p.top_k, logits.shape[0])).min()
+            kth = mx.topk(logits, min(p.top_k, V), axis=-1).min(axis=-1, keepdims=True)
             logits = mx.where(logits < kth, -mx.inf, logits)
         if not p.min_p and p.top_p >= 1.0:
             return logits  # no cut needs the probabilities: skip a softmax over the vocabulary
-        probs = mx.softmax(logits)
+        probs = mx.softmax(logits, axis=-1)
         if p.min_p:
-            logits = mx.where(probs < p.min_p * probs.max(), -mx.inf, logits)
+            top = probs.max(axis=-1, keepdims=True)
+            logits = mx.where(probs < p.min_p * top, -mx.inf, logits)
         if p.top_p < 1.0:
             # Keep each token whose more probable tokens hold less than top_p of the mass (the
             # first always stays; tokens tied at the boundary stay together). That is every
             # probability >= tau, the smallest value whose predecessors in descending order
             # hold less than top_p. After a top-k cut only k values can be kept, so only they
             # are sorted: 20 values instead of a 248k argsort and scatter (32 ms a token).
-            values = mx.topk(probs, min(p.top_k, probs.shape[0])) if p.top_k else probs
-            ranked = mx.sort(values)[::-1]
-            before = mx.cumsum(ranked) - ranked
-            tau = mx.min(mx.where(before < p.top_p, ranked, mx.inf))
+            values = mx.topk(probs, min(p.top_k, V), axis=-1) if p.top_k else probs
+            ranked = mx.sort(values, axis=-1)[..., ::-1]
+            before = mx.cumsum(ranked, axis=-1) - ranked
+            tau = mx.where(before < p.top_p, ranked, mx.inf).min(axis=-1, keepdims=True)
             logits = mx.where(probs < tau, -mx.inf, logits)
         return logits
+
+    def uniform(self) -> mx.array:
+        """The uniform in [0, 1) of this row's next draw: from its own key when seeded (so a
+        seeded row draws the same tokens whatever rows are picked beside it), else from
+        MLX's global generator."""
+        return mx.random.uniform(key=self.subkey())
 
     def subkey(self) -> mx.array | None:
         """The next random key of a seeded row (None unseeded: MLX's global generator)."""
@@ -413,3 +433,56 @@ class Sampler:
             return None
         self.key, sub = mx.random.split(self.key)
         return sub
+
+
+def pick_rows(samplers: Sequence[Sampler], logits: Sequence[mx.array],
+              histories: Sequence[Sequence[int]]) -> list[mx.array]:  # fmt: skip
+    """Each row's next token, as `samplers[i](logits[i], histories[i])` picks it alone, with
+    the picks of rows that share their cuts made in one call: one argmax over the greedy
+    rows, one draw over each group of sampled rows (a native pass over `[n, V]` on the CPU,
+    MLX's ops along the last axis elsewhere). Each row's processors see its own logits and
+    history, and each row's uniform comes from its own key: a row's tokens do not depend on
+    the rows beside it. If this raises, no sampler has taken a pick (`Sampler.begin`): the
+    picks can be made again, together or row by row."""
+    processed = [s.begin(x, h) for s, x, h in zip(samplers, logits, histories, strict=True)]
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(samplers):
+        groups.setdefault(s.cuts, []).append(i)
+    picks: list = [None] * len(samplers)
+    for rows in groups.values():
+        if len(rows) == 1:  # alone: the row's own `[V]`, no stack and slice
+            picks[rows[0]] = _picks(processed[rows[0]], [samplers[rows[0]]])
+            continue
+        tokens = _picks(mx.stack([processed[i] for i in rows]), [samplers[i] for i in rows])
+        for j, i in enumerate(rows):
+            picks[i] = tokens[j]
+    for s, x, pick in zip(samplers, logits, picks):
+        s.end(x, pick)
+    return picks
+
+
+def _picks(logits: mx.array, samplers: Sequence[Sampler]) -> mx.array:
+    """The tokens of processed logits `[V]` (one sampler) or `[n, V]` (n samplers with the
+    same cuts): greedy, or drawn after the cuts at each row's uniform. On the CPU the cuts
+    and the draw are one native pass (`kernels.sampling`); elsewhere `final_logits` and the
+    same inverse CDF in MLX's ops (`draw`)."""
+    p = samplers[0].p
+    if p.temperature == 0:
+        return mx.argmax(logits, axis=-1)
+    u = samplers[0].uniform() if logits.ndim == 1 else mx.stack([s.uniform() for s in samplers])
+    picked = sample(logits, u, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                    min_p=p.min_p)  # fmt: skip
+    if picked is not None:
+        return picked
+    return draw(samplers[0].final_logits(logits), u)
+
+
+def draw(final: mx.array, u: mx.array) -> mx.array:
+    """Per row of `final` `[..., V]` (cut logits: -inf where cut), the first token whose
+    running weight in index order exceeds `u` (`[...]`, in [0, 1)) times the row's total:
+    a categorical draw by inverse CDF, the native pass's. A row whose rounding leaves the
+    target past its end takes its most likely token, never a cut one."""
+    w = mx.softmax(final, axis=-1)
+    run = mx.cumsum(w, axis=-1)
+    past = mx.logical_and(run > u[..., None] * run[..., -1:], w > 0)
+    return mx.where(past.any(axis=-1), mx.argmax(past, axis=-1), mx.argmax(final, axis=-1))

@@ -12,6 +12,8 @@ tokens stand.
 Rows that each decode one token run as one batched pass (the scheduler in `batch.py` makes
 such steps); any other mix of rows runs as one packed pass (`model.packed`: the tokens of all
 rows end to end, the products once over all of them). Sharding wraps this function alone.
+`run` adds the picks: a decode row carries its sampler, and the rows' next tokens are picked
+together after the pass.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 
 from .cache import RecurrentCache
+from .sampling import Sampler, pick_rows
 
 
 @dataclass
@@ -37,6 +40,10 @@ class Row:
     # says how far it went. `left`: the prompt's tokens still to feed, this row's included.
     partial: bool = False
     left: int = 0
+    # A decode row's sampler and the history its processors read: `run` picks the row's next
+    # token from its last logits, with the picks of the other rows (`sampling.pick_rows`).
+    sampler: Sampler | None = None
+    history: Sequence[int] = ()
 
     @property
     def size(self) -> int:
@@ -96,6 +103,22 @@ def forward(model, rows: list[Row]) -> list[tuple[mx.array | None, Mark]]:
                 _end_capture(row.caches)
             out.append((logits, mark))
     return out
+
+
+def run(model, rows: list[Row]) -> list[tuple[mx.array | None, Mark, mx.array | None]]:
+    """`forward`, then the next token of each row that carries a sampler, picked together
+    (`sampling.pick_rows`): per row (logits, Mark, token or None), what a step coroutine is
+    sent (`generate.run_steps`, `batch.Batch`). All or none: if a pick fails, every row goes
+    back to the step's start, and no sampler has taken a pick."""
+    results = forward(model, rows)
+    with _all_or_none(rows, [mark for _, mark in results]):
+        chosen = [i for i, row in enumerate(rows) if row.sampler is not None]
+        picks = pick_rows([rows[i].sampler for i in chosen], [results[i][0][-1] for i in chosen],
+                          [rows[i].history for i in chosen])  # fmt: skip
+    tokens: list = [None] * len(rows)
+    for i, token in zip(chosen, picks):
+        tokens[i] = token
+    return [(logits, mark, token) for (logits, mark), token in zip(results, tokens)]
 
 
 @contextlib.contextmanager
