@@ -18,7 +18,7 @@ import mlx.core as mx
 from . import native as _native
 from .choice import device_kind
 
-__all__ = ["logprobs", "sample", "sample_excluding"]
+__all__ = ["logprobs", "sample", "sample_excluding", "sample_rows"]
 
 
 def _module(logits: mx.array):
@@ -35,6 +35,15 @@ def sample(logits: mx.array, u: mx.array, *, temperature: float, top_k: int = 0,
     if (mod := _module(logits)) is None:
         return None
     return mod.sample(logits, u, temperature, top_k, top_p, min_p)
+
+
+def sample_rows(rows: list[mx.array], u: mx.array, *, temperature: float, top_k: int = 0,
+                top_p: float = 1.0, min_p: float = 0.0) -> mx.array | None:  # fmt: skip
+    """`sample` over rows given as arrays `[V]` of their own (a batched step's: no copy into
+    one `[n, V]` array), at `u` `[n]`; None off the native path."""
+    if (mod := _module(rows[0])) is None:
+        return None
+    return mod.sample_rows(rows, u, temperature, top_k, top_p, min_p)
 
 
 def sample_excluding(logits: mx.array, key: mx.array | None, exclude: mx.array, *,

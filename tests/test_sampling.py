@@ -236,8 +236,17 @@ def test_native_pick_edges(mod):
     us = mx.array([0.1, 0.3, 0.5, 0.7, 0.9])
     batch = mod.sample(rows, us, 0.8, 20, 0.95).tolist()
     assert batch == [mod.sample(rows[i], us[i], 0.8, 20, 0.95).item() for i in range(5)]
+    # The rows as arrays of their own (a batched step's, strided views too): the same picks.
+    assert mod.sample_rows(list(rows), us, 0.8, 20, 0.95).tolist() == batch
+    strided = rows[:, ::3]
+    assert mod.sample_rows(list(strided), us, 0.8, 20).tolist() == mod.sample(
+        strided, us, 0.8, 20).tolist()  # fmt: skip
     with pytest.raises(ValueError, match="one u per row"):
         mod.sample(rows, us[:3], 0.8)
+    with pytest.raises(ValueError, match="one u per row"):
+        mod.sample_rows(list(rows), us[:3], 0.8)
+    with pytest.raises(ValueError, match="rows \\[V\\] of one V"):
+        mod.sample_rows([rows[0], rows[1, :100]], us[:2], 0.8)
     with pytest.raises(ValueError, match="temperature"):
         mod.sample(rows, us, 0.0)
 
@@ -399,18 +408,21 @@ PICKS = [dict(), dict(temperature=0.8, top_k=20, top_p=0.95, seed=1),
          dict(temperature=1.1, min_p=0.05, seed=4)]  # fmt: skip
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_rows_picked_together_pick_as_each_row_alone(monkeypatch, native):
+@pytest.mark.parametrize("path", ["native", "mlx ops", "gpu"])
+def test_rows_picked_together_pick_as_each_row_alone(monkeypatch, path):
     """`pick_rows` over six rows (greedy, sampled with the same cuts and seeds of their own,
     penalties, other cuts, logprobs): every row's tokens and logprobs, over eight steps, are
-    those of its sampler called alone; rows sharing their cuts are picked in one call."""
+    those of its sampler called alone; rows sharing their cuts are picked in one call. On
+    the native pass, through MLX's ops, and as on a GPU (the rows stacked, greedy ones too)."""
     import engine.runtime.sampling as sampling
 
-    if not native:
+    if path != "native":
         monkeypatch.setattr("kernels.sampling._module", lambda logits: None)
+    if path == "gpu":
+        monkeypatch.setattr(sampling, "device_kind", lambda: "gpu")
     calls = []
     real = sampling._picks
-    monkeypatch.setattr(sampling, "_picks", lambda x, s: calls.append(x.shape) or real(x, s))
+    monkeypatch.setattr(sampling, "_picks", lambda x, s: calls.append(len(x)) or real(x, s))
     V = 5000
     steps = mx.random.normal((8, len(PICKS), V), key=mx.random.key(9)) * 2
 
@@ -434,9 +446,4 @@ def test_rows_picked_together_pick_as_each_row_alone(monkeypatch, native):
         (r.token, r.logprob) for r in alone[0].recorded]  # fmt: skip
     # Per step: greedy rows 0 and 3 in one argmax, rows 1, 2 and 4 (top_k 20, top_p 0.95 at
     # 0.8) in one draw, row 5 alone; then each row alone.
-    n = 3 + len(PICKS)
-    assert len(calls) == 8 * n
-    for step in range(8):
-        made = calls[step * n : (step + 1) * n]
-        assert sorted(made[:3]) == sorted([(2, V), (3, V), (V,)])
-        assert made[3:] == [(V,)] * len(PICKS)
+    assert calls == [2, 3, 1, *[1] * len(PICKS)] * 8

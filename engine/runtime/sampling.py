@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from kernels.sampling import logprobs, sample, sample_excluding
+from kernels.choice import device_kind
+from kernels.sampling import logprobs, sample, sample_excluding, sample_rows
 
 MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
 
@@ -368,7 +369,7 @@ class Sampler:
 
     def pick(self, logits: mx.array) -> mx.array:
         """The next token from processed logits `[V]` (see `pick_rows`)."""
-        return _picks(logits, [self])
+        return _picks([logits], [self])[0]
 
     def residual(self, processed: mx.array, drafts: Sequence[int], key: mx.array | None
                  ) -> tuple[mx.array, mx.array]:  # fmt: skip
@@ -438,43 +439,45 @@ class Sampler:
 def pick_rows(samplers: Sequence[Sampler], logits: Sequence[mx.array],
               histories: Sequence[Sequence[int]]) -> list[mx.array]:  # fmt: skip
     """Each row's next token, as `samplers[i](logits[i], histories[i])` picks it alone, with
-    the picks of rows that share their cuts made in one call: one argmax over the greedy
-    rows, one draw over each group of sampled rows (a native pass over `[n, V]` on the CPU,
-    MLX's ops along the last axis elsewhere). Each row's processors see its own logits and
-    history, and each row's uniform comes from its own key: a row's tokens do not depend on
-    the rows beside it. If this raises, no sampler has taken a pick (`Sampler.begin`): the
-    picks can be made again, together or row by row."""
+    the picks of rows that share their cuts made in one call (`_picks`). Each row's
+    processors see its own logits and history, and each row's uniform comes from its own
+    key: a row's tokens do not depend on the rows beside it. If this raises, no sampler has
+    taken a pick (`Sampler.begin`): the picks can be made again, together or row by row."""
     processed = [s.begin(x, h) for s, x, h in zip(samplers, logits, histories, strict=True)]
     groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(samplers):
         groups.setdefault(s.cuts, []).append(i)
     picks: list = [None] * len(samplers)
     for rows in groups.values():
-        if len(rows) == 1:  # alone: the row's own `[V]`, no stack and slice
-            picks[rows[0]] = _picks(processed[rows[0]], [samplers[rows[0]]])
-            continue
-        tokens = _picks(mx.stack([processed[i] for i in rows]), [samplers[i] for i in rows])
-        for j, i in enumerate(rows):
-            picks[i] = tokens[j]
+        tokens = _picks([processed[i] for i in rows], [samplers[i] for i in rows])
+        for i, token in zip(rows, tokens):
+            picks[i] = token
     for s, x, pick in zip(samplers, logits, picks):
         s.end(x, pick)
     return picks
 
 
-def _picks(logits: mx.array, samplers: Sequence[Sampler]) -> mx.array:
-    """The tokens of processed logits `[V]` (one sampler) or `[n, V]` (n samplers with the
-    same cuts): greedy, or drawn after the cuts at each row's uniform. On the CPU the cuts
-    and the draw are one native pass (`kernels.sampling`); elsewhere `final_logits` and the
-    same inverse CDF in MLX's ops (`draw`)."""
+def _picks(rows: list[mx.array], samplers: Sequence[Sampler]) -> list[mx.array]:
+    """The tokens of processed logits rows `[V]` whose samplers share their cuts: greedy, or
+    drawn after the cuts at each row's uniform. On the CPU the cuts and the draw are one
+    native pass over the rows where they lie (`kernels.sampling`), and greedy rows take an
+    argmax each (a stack would copy them first, for nothing); elsewhere the rows are stacked
+    and go through one set of MLX ops along the last axis (`final_logits`, `draw`)."""
     p = samplers[0].p
+    one = len(rows) == 1
+    cpu = device_kind() == "cpu"
     if p.temperature == 0:
-        return mx.argmax(logits, axis=-1)
-    u = samplers[0].uniform() if logits.ndim == 1 else mx.stack([s.uniform() for s in samplers])
-    picked = sample(logits, u, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                    min_p=p.min_p)  # fmt: skip
+        if one or cpu:
+            return [mx.argmax(x) for x in rows]
+        return list(mx.argmax(mx.stack(rows), axis=-1))
+    u = samplers[0].uniform() if one else mx.stack([s.uniform() for s in samplers])
+    cuts = dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
+    picked = sample(rows[0], u, **cuts) if one else sample_rows(rows, u, **cuts)
     if picked is not None:
-        return picked
-    return draw(samplers[0].final_logits(logits), u)
+        return [picked] if one else list(picked)
+    x = rows[0] if one else mx.stack(rows)
+    picked = draw(samplers[0].final_logits(x), u)
+    return [picked] if one else list(picked)
 
 
 def draw(final: mx.array, u: mx.array) -> mx.array:

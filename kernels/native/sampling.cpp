@@ -20,6 +20,9 @@
 // row's key). That is the distribution of a categorical draw over the cut logits; a given u
 // picks what the float64 reference picks, up to float32 rounding at the boundaries.
 //
+// `sample_rows` takes the rows as arrays of their own: a batched step's rows are picked in one
+// pass over the pool's threads without a copy into one [n, V] array.
+//
 // `sample_excluding` also leaves one token per row out of the draw and returns the
 // probability the cut distribution gives it: speculative sampling's verify (accept a draft d
 // with probability p(d), else draw from p without d).
@@ -394,28 +397,43 @@ class LogProbs : public Primitive {
 
 class Sample : public Primitive {
  public:
-  Sample(Stream stream, Cuts cuts) : Primitive(stream), cuts_(cuts) {}
+  // split: the rows come as arrays of their own (a batched step's rows, not stacked).
+  Sample(Stream stream, Cuts cuts, bool split = false)
+      : Primitive(stream), cuts_(cuts), split_(split) {}
 
+  // inputs: logits [..., V], u [...] (, exclude [...]); split: u [n], then n rows [V].
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
     auto& encoder = cpu::get_command_encoder(stream());
     for (const array& a : inputs) {
       encoder.set_input_array(a);
     }
-    const array logits = row_major(inputs[0], encoder);
-    const array u = row_major(inputs[1], encoder);
-    const int32_t* ex = inputs.size() > 2 ? row_major(inputs[2], encoder).data<int32_t>() : nullptr;
+    const array u = row_major(inputs[split_ ? 0 : 1], encoder);
+    const int32_t* ex = !split_ && inputs.size() > 2
+                            ? row_major(inputs[2], encoder).data<int32_t>()
+                            : nullptr;
+    const int V = inputs[split_ ? 1 : 0].shape(-1);
+    const size_t rows = outputs[0].size();
+    std::vector<const float*> xs;
+    if (split_) {
+      for (size_t i = 1; i < inputs.size(); ++i) {
+        xs.push_back(row_major(inputs[i], encoder).data<float>());
+      }
+    } else {
+      const float* x = row_major(inputs[0], encoder).data<float>();
+      for (size_t r = 0; r < rows; ++r) {
+        xs.push_back(x + r * V);
+      }
+    }
     for (array& out : outputs) {
       out.set_data(allocator::malloc(out.nbytes()));
       encoder.set_output_array(out);
     }
     float* pe = outputs.size() > 1 ? outputs[1].data<float>() : nullptr;
-    const int V = logits.shape(-1);
-    const size_t rows = outputs[0].size();
-    encoder.dispatch([x = logits.data<float>(), pu = u.data<float>(), ex, pe,
+    encoder.dispatch([xs = std::move(xs), pu = u.data<float>(), ex, pe,
                       po = outputs[0].data<uint32_t>(), V, rows, cuts = cuts_]() {
       auto job = [&](int part, int parts) {
         for (size_t r = rows * part / parts; r < rows * (part + 1) / parts; ++r) {
-          po[r] = pick(x + r * V, V, pu[r], cuts, ex ? ex[r] : -1, pe ? pe + r : nullptr);
+          po[r] = pick(xs[r], V, pu[r], cuts, ex ? ex[r] : -1, pe ? pe + r : nullptr);
         }
       };
       pool().run(job, static_cast<int>(std::min<size_t>(pool().size(), rows)));  // 1 row: here
@@ -431,10 +449,14 @@ class Sample : public Primitive {
   }
 
   bool is_equivalent(const Primitive& other) const override {
-    return cuts_ == static_cast<const Sample&>(other).cuts_;
+    const auto& o = static_cast<const Sample&>(other);
+    return cuts_ == o.cuts_ && split_ == o.split_;
   }
 
   std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    if (split_) {
+      return {inputs[0].shape()};
+    }
     const Shape& s = inputs[0].shape();
     const Shape rows(s.begin(), s.end() - 1);
     return inputs.size() > 2 ? std::vector<Shape>{rows, rows} : std::vector<Shape>{rows};
@@ -442,6 +464,7 @@ class Sample : public Primitive {
 
  private:
   Cuts cuts_;
+  bool split_;
 };
 
 void check(bool ok, const std::string& what) {
@@ -450,12 +473,7 @@ void check(bool ok, const std::string& what) {
   }
 }
 
-Cuts checked(const array& logits, const array& u, float temperature, int top_k, float top_p,
-             float min_p) {
-  check(logits.dtype() == float32 && u.dtype() == float32, "takes float32 logits and u");
-  check(logits.ndim() >= 1 && logits.shape(-1) > 0, "takes logits [..., V] with V > 0");
-  const Shape rows(logits.shape().begin(), logits.shape().end() - 1);
-  check(u.shape() == rows, "takes one u per row of logits");
+Cuts checked(float temperature, int top_k, float top_p, float min_p) {
   check(temperature > 0 && std::isfinite(temperature), "takes a temperature > 0");
   check(top_k >= 0, "takes top_k >= 0");
   check(top_p > 0 && top_p <= 1, "takes top_p in (0, 1]");
@@ -463,11 +481,37 @@ Cuts checked(const array& logits, const array& u, float temperature, int top_k, 
   return Cuts{temperature, top_k, top_p, min_p};
 }
 
+Cuts checked(const array& logits, const array& u, float temperature, int top_k, float top_p,
+             float min_p) {
+  check(logits.dtype() == float32 && u.dtype() == float32, "takes float32 logits and u");
+  check(logits.ndim() >= 1 && logits.shape(-1) > 0, "takes logits [..., V] with V > 0");
+  const Shape rows(logits.shape().begin(), logits.shape().end() - 1);
+  check(u.shape() == rows, "takes one u per row of logits");
+  return checked(temperature, top_k, top_p, min_p);
+}
+
 array sample(const array& logits, const array& u, float temperature, int top_k, float top_p,
              float min_p) {
   const Cuts cuts = checked(logits, u, temperature, top_k, top_p, min_p);
   Stream s = default_stream(Device::cpu);
   return array(u.shape(), uint32, std::make_shared<Sample>(s, cuts), {logits, u});
+}
+
+array sample_rows(const std::vector<array>& rows, const array& u, float temperature, int top_k,
+                  float top_p, float min_p) {
+  check(!rows.empty(), "sample_rows takes at least one row");
+  for (const array& row : rows) {
+    check(row.dtype() == float32 && row.ndim() == 1 && row.shape(0) > 0 &&
+              row.shape(0) == rows[0].shape(0),
+          "sample_rows takes float32 rows [V] of one V > 0");
+  }
+  check(u.dtype() == float32 && u.ndim() == 1 && u.shape(0) == static_cast<int>(rows.size()),
+        "takes one u per row of logits");
+  const Cuts cuts = checked(temperature, top_k, top_p, min_p);
+  std::vector<array> inputs{u};
+  inputs.insert(inputs.end(), rows.begin(), rows.end());
+  Stream s = default_stream(Device::cpu);
+  return array(u.shape(), uint32, std::make_shared<Sample>(s, cuts, true), std::move(inputs));
 }
 
 std::vector<array> sample_excluding(const array& logits, const array& u, const array& exclude,
@@ -503,6 +547,10 @@ void bind_sampling(nb::module_& m) {
         nb::arg("top_k") = 0, nb::arg("top_p") = 1.0f, nb::arg("min_p") = 0.0f,
         "A token per row of logits [..., V]: the temperature, top-k, min-p and top-p cuts, "
         "then the inverse CDF at u [...] in index order (CPU, float32).");
+  m.def("sample_rows", &sample_rows, nb::arg("rows"), nb::arg("u"), nb::arg("temperature"),
+        nb::arg("top_k") = 0, nb::arg("top_p") = 1.0f, nb::arg("min_p") = 0.0f,
+        "sample() over rows given as arrays [V] of their own (a batched step's rows, not "
+        "stacked): a token per row, at u [n].");
   m.def("sample_excluding", &sample_excluding, nb::arg("logits"), nb::arg("u"),
         nb::arg("exclude"), nb::arg("temperature"), nb::arg("top_k") = 0,
         nb::arg("top_p") = 1.0f, nb::arg("min_p") = 0.0f,
