@@ -46,7 +46,7 @@ def sample_rows(rows: list[mx.array], u: mx.array, *, temperature: float, top_k:
     return mod.sample_rows(rows, u, temperature, top_k, top_p, min_p)
 
 
-def sample_excluding(logits: mx.array, key: mx.array | None, exclude: mx.array, *,
+def sample_excluding(logits: mx.array, u: mx.array, exclude: mx.array, *,
                      temperature: float, top_k: int = 0, top_p: float = 1.0,
                      min_p: float = 0.0) -> tuple[mx.array, mx.array] | None:  # fmt: skip
     """As `sample`, with the id `exclude[i]` (int32; -1: none) left out of row i's draw: (the
@@ -54,7 +54,6 @@ def sample_excluding(logits: mx.array, key: mx.array | None, exclude: mx.array, 
     native path."""
     if (mod := _module(logits)) is None:
         return None
-    u = mx.random.uniform(shape=logits.shape[:-1], key=key)
     tokens, p = mod.sample_excluding(logits, u, exclude, temperature, top_k, top_p, min_p)
     return tokens, p
 

@@ -447,3 +447,29 @@ def test_rows_picked_together_pick_as_each_row_alone(monkeypatch, path):
     # Per step: greedy rows 0 and 3 in one argmax, rows 1, 2 and 4 (top_k 20, top_p 0.95 at
     # 0.8) in one draw, row 5 alone; then each row alone.
     assert calls == [2, 3, 1, *[1] * len(PICKS)] * 8
+
+
+@pytest.mark.parametrize("top_k, min_p, top_p", [(20, 0.05, 0.95), (0, 0.0, 1.0)])
+def test_residual_draws_agree_on_both_paths(monkeypatch, top_k, min_p, top_p):
+    """`Sampler.residual` (speculative sampling's verify) with one key: the native pass and
+    MLX's ops (a GPU's path) draw at the same uniforms by the same inverse CDF, so the draft
+    probabilities agree within 1e-5 and the fallback tokens wherever a token is not within
+    1e-5 of a boundary (at least 90% of the rows)."""
+    import kernels.sampling
+
+    rng = np.random.default_rng(3)
+    params = SamplingParams(temperature=0.8, top_k=top_k, min_p=min_p, top_p=top_p)
+    agree = rows = 0
+    for trial in range(6):
+        processed = mx.array(rng.normal(0.0, 2.0, (5, 3000)).astype(np.float32))
+        drafts = rng.integers(0, 3000, 4).tolist()
+        drafts[trial % 4] = int(np.argmax(np.array(processed[trial % 4])))  # one kept draft
+        key = mx.random.key(trial)
+        native = Sampler(params).residual(processed, drafts, key)
+        monkeypatch.setattr(kernels.sampling, "_module", lambda logits: None)
+        ops = Sampler(params).residual(processed, drafts, key)
+        monkeypatch.undo()
+        np.testing.assert_allclose(np.array(native[0]), np.array(ops[0]), atol=1e-5)
+        rows += 5
+        agree += sum(a == b for a, b in zip(native[1].tolist(), ops[1].tolist()))
+    assert agree >= 0.9 * rows

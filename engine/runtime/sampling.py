@@ -376,20 +376,22 @@ class Sampler:
         """Speculative sampling's draws for a verify step's processed logits `[k+1, V]`:
         (p_draft `[k]`: the probability row i's cut distribution gives `drafts[i]`, fallback
         `[k+1]`: a token drawn from row i without `drafts[i]`, renormalized; row k draws from
-        its whole distribution). On the CPU one native pass over the rows."""
+        its whole distribution). On the CPU one native pass over the rows; elsewhere MLX's ops
+        over all rows at once. Both draw by inverse CDF at the same uniforms from `key`."""
         k, p = len(drafts), self.p
         ids = mx.array([*drafts, -1], dtype=mx.int32)
-        native = sample_excluding(processed, key, ids, temperature=p.temperature,
+        u = mx.random.uniform(shape=(k + 1,), key=key)
+        native = sample_excluding(processed, u, ids, temperature=p.temperature,
                                   top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)  # fmt: skip
         if native is not None:
             fallback, p_draft = native
             return p_draft[:k], fallback
-        final = mx.stack([self.final_logits(processed[i]) for i in range(k + 1)])
+        final = self.final_logits(processed)
         d = ids[:k]
         p_draft = mx.take_along_axis(mx.softmax(final[:k], axis=-1), d[:, None], axis=-1)[:, 0]
         is_draft = mx.arange(final.shape[-1])[None] == d[:, None]
         residual = mx.concatenate([mx.where(is_draft, -mx.inf, final[:k]), final[k:]])
-        return p_draft, mx.random.categorical(residual, axis=-1, key=key)
+        return p_draft, draw(residual, u)
 
     def final_logits(self, logits: mx.array) -> mx.array:
         """What a sampled pick draws from: `logits / temperature` `[..., V]` with the top-k,
