@@ -16,6 +16,9 @@ Sections (each one's failure is recorded in "errors" and the others still run):
 - threads: 300 threads each evaluating one small op on the default device (failures, and the
   OS threads left: MLX keeps a stream per thread);
 - memory: active MLX memory held after 10 snapshots against what the byte budget counts;
+- picks: a batched step's sampled picks, 8 seeded rows over Qwen3.5's vocabulary, made
+  together (`sampling.pick_rows`: one set of MLX ops over the stacked rows on a GPU) against
+  one pick per row (`bench.sampling.measure_rows`);
 - speed: prefill and decode tokens/s of the 0.8B build (random weights, bfloat16) against
   mlx-lm on the same device, each warmed first; the engine's first decode step apart (it
   compiles the step: on CUDA through NVRTC, 13-55 s with MLX's kernel cache cold);
@@ -281,6 +284,12 @@ def memory_section() -> dict:
             "budget_bytes": eng.budget.max_bytes}  # fmt: skip
 
 
+def picks_section(quick: bool) -> dict:
+    from bench.sampling import measure_rows
+
+    return measure_rows(4096 if quick else 248320, 8, 3 if quick else 20)
+
+
 def speed_section(model: str, prefill_t: int, decode_n: int) -> dict:
     import mlx.core as mx
     import numpy as np
@@ -412,6 +421,7 @@ def run(quick: bool, out: str | None = None) -> dict:
         "quantized_vs_mlx_lm": lambda: quantized_section(quick),
         "threads": lambda: threads_section(30 if quick else 300),
         "memory": memory_section,
+        "picks": lambda: picks_section(quick),
         "speed": lambda: speed_section("tiny", 64, 8) if quick else speed_section("qwen3.5-0.8b", 512, 64),
         # the CPU runs the whole suite anyway; the tests' own run would nest here
         "tests": lambda: tests_section() if _gpu() else "cpu: the suite itself",

@@ -98,8 +98,9 @@ def measure(vocab: int, repeats: int, temperature: float = 0.7, rows: int = 8) -
 
 def measure_rows(vocab: int, rows: int, repeats: int) -> dict:
     """A batched step's picks: `rows` rows with Qwen's cuts (top_k 20, top_p 0.95), each
-    seeded, picked together (`pick_rows`: one draw over `[rows, V]`) against one pick per
-    row, on the native pass and through MLX's ops (a GPU's path, timed here on the CPU)."""
+    seeded, picked together (`pick_rows`) against one pick per row: the engine's path (the
+    native pass on a CPU, MLX's ops on a GPU) and MLX's ops themselves (a GPU's path, on any
+    device)."""
     import mlx.core as mx
 
     from engine.runtime.sampling import Sampler, SamplingParams, draw, pick_rows
@@ -111,10 +112,10 @@ def measure_rows(vocab: int, rows: int, repeats: int) -> dict:
     history = [[] for _ in range(rows)]
     each = list(x)  # the rows as a step hands them over
 
-    def native_together():
+    def engine_together():
         return pick_rows(samplers, each, history)
 
-    def native_alone():
+    def engine_alone():
         return [s(row, []) for s, row in zip(samplers, each)]
 
     def ops_together():
@@ -124,7 +125,7 @@ def measure_rows(vocab: int, rows: int, repeats: int) -> dict:
         return [draw(s.final_logits(row), s.uniform()) for s, row in zip(samplers, each)]
 
     timed = {name: round(_mean_ms(fn, repeats), 3) for name, fn in (
-        ("native_together_ms", native_together), ("native_alone_ms", native_alone),
+        ("engine_together_ms", engine_together), ("engine_alone_ms", engine_alone),
         ("mlx_ops_together_ms", ops_together), ("mlx_ops_alone_ms", ops_alone))}  # fmt: skip
     return {"rows": rows, **timed}
 
@@ -208,8 +209,8 @@ def main() -> None:
     print(f"  {'logprobs, top 5':<24}{lp['chatml_ms']:>8.2f} ms{lp['mlx_ops_ms']:>8.2f} ms")
     b = r["rows"]
     print(
-        f"  {b['rows']} seeded rows (top_k 20, top_p 0.95), together / one by one: native "
-        f"{b['native_together_ms']:.2f} / {b['native_alone_ms']:.2f} ms, MLX ops "
+        f"  {b['rows']} seeded rows (top_k 20, top_p 0.95), together / one by one: engine "
+        f"{b['engine_together_ms']:.2f} / {b['engine_alone_ms']:.2f} ms, MLX ops "
         f"{b['mlx_ops_together_ms']:.2f} / {b['mlx_ops_alone_ms']:.2f} ms"
     )
     print(json.dumps({"bench": "sampling", **result}))

@@ -32,6 +32,8 @@ def test_quick_gpu_check_runs_every_section_with_small_errors(capsys, tmp_path):
     assert r["threads"]["failures"] == 0 and r["threads"]["threads"] == 30
     m = r["memory"]
     assert m["snapshots"] >= 10 and m["held_bytes"] <= 1.05 * m["counted_bytes"]
+    picks = r["picks"]
+    assert picks["rows"] == 8 and all(v > 0 for k, v in picks.items() if k.endswith("_ms"))
     s = r["speed"]
     for key in ("engine_prefill_tps", "engine_first_decode_step_s", "engine_decode_tps",
                 "mlx_lm_prefill_tps", "mlx_lm_decode_tps"):  # fmt: skip
