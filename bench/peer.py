@@ -13,10 +13,11 @@ configuration of ``bench.throughput``: prefill of a 512-token prompt, 64 tokens 
 a 512-token prompt) run interleaved, ``--repeats`` times each, the best kept. Both decode at
 the same depth: llama.cpp's ``tg64`` after 512 tokens of context (``-d 512``; its tg64 on an
 empty context is kept as ``decode_tps_depth0``, what this bench compared against before
-session 27), and its prefill is ``pp512`` on an empty context, as the engine's. Each llama.cpp format is
-paired with the engine at the matching precision: F32 with float32, Q8_0 with ``quantize=8``
-and Q4_K_M with ``quantize=4`` (MLX's affine layout, group 64; the engine's activations stay
-float32, as mlx-lm's do). The ratios in the table are the engine over its pair.
+session 27), and its prefill is ``pp512`` on an empty context, as the engine's. Each
+llama.cpp format is paired with the engine at the matching precision: F32 with float32, Q8_0
+with ``quantize=8`` and Q4_K_M with ``quantize=4`` (MLX's affine layout, group 64; the
+engine's activations stay float32, as mlx-lm's do). The ratios in the table are the engine
+over its pair.
 
 llama.cpp picks its kernels for this CPU; so does OpenBLAS here: ``OPENBLAS_CORETYPE`` and
 ``OPENBLAS_L2_SIZE``, which some machines set to pin older kernels (Haswell's AVX2 on an

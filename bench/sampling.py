@@ -12,8 +12,9 @@ log-probabilities, as ``mlx_lm.generate`` computes them first: that ``logsumexp`
 with it), and greedy ``argmax`` as the floor; and the log-probabilities a request may ask for
 (the token's and the top 5: ``kernels.sampling.logprobs`` against MLX's ops), whole
 ``Sampler`` calls with a penalty (the processors, then the pick), and a batched step's picks
-(``--rows``, default 8: one ``pick_rows`` call against a pick per row, on both paths). Mean milliseconds over `--repeats` picks, all
-in one process, interleaved per configuration; the table ends with one JSON line.
+(``--rows``, default 8: one ``pick_rows`` call against a pick per row, on both paths). Mean
+milliseconds over `--repeats` picks, all in one process, interleaved per configuration; the
+table ends with one JSON line.
 
 With ``--model``: what sampling adds to a decode step. Greedy decoding against the
 checkpoint's own sampling defaults (``generation_config.json``: what ``chatml chat`` and the
