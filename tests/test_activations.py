@@ -1,6 +1,7 @@
-"""The vectorized gates and causal softmax (kernels/native/activations.cpp through
-kernels.activations and kernels.attention) against a float64 numpy reference, on awkward
-inputs, and in the model against MLX's ops.
+"""The vectorized gates, causal softmax and per-row decode attention
+(kernels/native/activations.cpp and attention.cpp, through kernels.activations and
+kernels.attention) against a float64 numpy reference, on awkward inputs, and in the model
+against MLX's ops.
 
 Tolerance: 1e-6 relative per element (the kernel's exp is within ~2 ulp, so silu and sigmoid
 land within a few float32 ulps, ~1e-7; 1e-6 leaves room without hiding a wrong polynomial,
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from kernels import activations
-from kernels.attention import attention
+from kernels.attention import attention, attention_rows
 
 REL = 1e-6
 
@@ -134,6 +135,47 @@ def test_attention_matches_float64(mod, T, S, Hq, Hkv):
         assert np.abs(got - ref).max() <= 1e-5, (use, np.abs(got - ref).max())
 
 
+# Rows of different lengths in buffers with room to spare (whose unused positions hold NaN:
+# never read): one decode query a row (0.8B's heads), a short verify pass, one key head, key
+# and value widths that differ and are not whole vectors, a row as short as its queries.
+@pytest.mark.parametrize(
+    "T,lengths,Hq,Hkv,Dk,Dv",
+    [(1, [1000], 8, 2, 256, 256), (1, [5, 300, 77], 8, 2, 256, 256),
+     (3, [3, 50], 6, 3, 40, 24), (4, [7, 8, 100, 4], 2, 1, 17, 33)],
+)  # fmt: skip
+def test_attention_rows_match_float64(mod, T, lengths, Hq, Hkv, Dk, Dv):
+    B = len(lengths)
+    q = mx.random.normal((B, Hq, T, Dk), key=mx.random.key(T))
+    keys, values = [], []
+    for b, n in enumerate(lengths):
+        nan = float("nan")
+        k = mx.random.normal((1, Hkv, n, Dk), key=mx.random.key(n))
+        v = mx.random.normal((1, Hkv, n, Dv), key=mx.random.key(n + 9999))
+        keys.append(mx.concatenate([k, mx.full((1, Hkv, 9 + b, Dk), nan)], axis=2))
+        values.append(mx.concatenate([v, mx.full((1, Hkv, 9 + b, Dv), nan)], axis=2))
+    ref = np.concatenate([
+        attention64(q[b : b + 1], k[:, :, :n], v[:, :, :n], Dk**-0.5)
+        for b, (k, v, n) in enumerate(zip(keys, values, lengths))
+    ])  # fmt: skip
+    for use in (True, False):  # the native pass, and MLX's op row by row
+        got = f64(attention_rows(q, keys, values, lengths, Dk**-0.5, native=use))
+        assert got.shape == (B, Hq, T, Dv)
+        assert np.abs(got - ref).max() <= 1e-5, (use, np.abs(got - ref).max())
+
+
+def test_attention_rows_take_each_row_as_alone(mod):
+    """A row's output is the same bits in a batch of rows as alone: a batched decode step's
+    row attends as that sequence decoding by itself does."""
+    lengths = [40, 513, 7]
+    q = mx.random.normal((3, 8, 1, 64), key=mx.random.key(1))
+    keys = [mx.random.normal((1, 2, 600, 64), key=mx.random.key(n)) for n in lengths]
+    values = [mx.random.normal((1, 2, 600, 64), key=mx.random.key(n + 9999)) for n in lengths]
+    together = mod.attention_rows(q, keys, values, lengths, 0.125)
+    for b, n in enumerate(lengths):
+        alone = mod.attention_rows(q[b : b + 1], keys[b : b + 1], values[b : b + 1], [n], 0.125)
+        assert mx.array_equal(together[b : b + 1], alone)
+
+
 def test_causal_softmax_rows(mod):
     """Each row sums to 1 over the keys it sees and is 0 beyond; -inf scores give 0."""
     # scores of spread 30 (a float32 x - max carries |x - max| * 6e-8 relative error into exp)
@@ -176,6 +218,17 @@ def test_bad_input_is_named(mod):
         mod.causal_softmax(mx.ones((2, 5, 3)))
     with pytest.raises(ValueError, match=r"window \[B, K-1\+T, C\]"):
         mod.conv_silu(mx.ones((1, 2, 8)), mx.ones((8, 4)))
+    q, kv = mx.ones((2, 8, 1, 16)), [mx.ones((1, 2, 10, 16))] * 2
+    with pytest.raises(ValueError, match="one length per row"):
+        mod.attention_rows(q, kv, kv, [3], 1.0)
+    with pytest.raises(
+        ValueError, match=r"row 1: its length 11 must be at least T \(1\) and at most"
+    ):
+        mod.attention_rows(q, kv, kv, [3, 11], 1.0)
+    with pytest.raises(ValueError, match="multiple of the key heads"):
+        mod.attention_rows(mx.ones((2, 3, 1, 16)), kv, kv, [3, 3], 1.0)
+    with pytest.raises(ValueError, match="row 0: keys"):
+        mod.attention_rows(q, [mx.ones((1, 2, 10, 8))] * 2, kv, [3, 3], 1.0)
 
 
 def test_model_logits_match_mlx_ops(tiny):

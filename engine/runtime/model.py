@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from kernels import gated_delta_kept, gated_delta_rows
 from kernels.activations import conv_silu, mul_sigmoid, silu_mul
-from kernels.attention import attention
+from kernels.attention import attention, attention_rows
 
 from ..checkpoints.registry import Architecture
 from .cache import KVCache, MTPCache, RecurrentCache
@@ -294,8 +294,20 @@ class Attention(nn.Module):
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache) -> mx.array:
         """Append k, v to the cache and attend; returns `[B, T, Hq*D]`."""
         B, _, T, _ = q.shape
+        if B == 1:
+            return self.attend_rows(q, k, v, [cache])
         k, v = cache.update(k, v)
         y = attention(q, k, v, self.d**-0.5, native=self.native)
+        return y.transpose(0, 2, 1, 3).reshape(B, T, -1)
+
+    def attend_rows(self, q: mx.array, k: mx.array, v: mx.array, caches: list) -> mx.array:
+        """Row i of q, k, v `[B, H, T, D]` appends to its own cache `caches[i]` (of batch 1)
+        and attends over it, whatever its length; returns `[B, T, Hq*D]`."""
+        B, _, T, _ = q.shape
+        for i, c in enumerate(caches):
+            c.update(k[i : i + 1], v[i : i + 1]) if B > 1 else c.update(k, v)
+        y = attention_rows(q, [c.keys for c in caches], [c.values for c in caches],
+                           [c.offset for c in caches], self.d**-0.5, native=self.native)  # fmt: skip
         return y.transpose(0, 2, 1, 3).reshape(B, T, -1)
 
     def output(self, y: mx.array, gate: mx.array) -> mx.array:
@@ -397,8 +409,9 @@ class DecoderLayer(nn.Module):
         weights once for all rows. A Gated DeltaNet layer stacks the rows' conv tails (small)
         and hands the delta rule each row's state as it is (`gated_delta_rows`: the fused CPU
         kernel reads and writes them where a stack and split would copy them); an attention
-        layer attends per row over that row's own KV cache, whatever its length. The same
-        compiled functions as `_decode`, at batch B."""
+        layer attends over each row's own KV cache, whatever its length, every row in one
+        pass on the CPU (`attention_rows`). The same compiled functions as `_decode`, at
+        batch B."""
         steps = self._compiled()
         if self.is_linear:
             tails = mx.concatenate([c.conv for c in caches])
@@ -409,11 +422,7 @@ class DecoderLayer(nn.Module):
         attention_in, attention_out = steps
         offsets = mx.array([c.offset for c in caches])
         q, k, v, gate = attention_in(x, offsets)
-        y = mx.concatenate([
-            self.self_attn.attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], c)
-            for i, c in enumerate(caches)
-        ])  # fmt: skip
-        return attention_out(x, y, gate)
+        return attention_out(x, self.self_attn.attend_rows(q, k, v, caches), gate)
 
     def _compiled(self) -> tuple:
         if self._steps is None:

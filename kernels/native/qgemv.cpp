@@ -1041,6 +1041,7 @@ void bind_dense(nb::module_& m);  // dense.cpp: the float32 few-row GEMV
 void bind_delta(nb::module_& m);  // delta.cpp: the gated delta rule, one pass per state row
 void bind_activations(nb::module_& m);  // activations.cpp: vectorized silu/sigmoid, conv + silu
 void bind_sampling(nb::module_& m);  // sampling.cpp: a sampled token's cuts and draw
+void bind_attention(nb::module_& m);  // attention.cpp: a few queries a row over its KV cache
 
 }  // namespace chatml
 
@@ -1066,4 +1067,5 @@ NB_MODULE(_chatml_qgemv, m) {
   chatml::bind_delta(m);
   chatml::bind_activations(m);
   chatml::bind_sampling(m);
+  chatml::bind_attention(m);
 }
