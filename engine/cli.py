@@ -144,6 +144,22 @@ def activation_path() -> str:
     return f"MLX ops (scalar exp on x86: {got.reason})"
 
 
+def attention_path() -> str:
+    """Which path a decode step's attention over each row's KV cache takes, in words."""
+    from kernels import native
+    from kernels.attention import ROWS_KEYS, ROWS_QUERIES
+
+    from .engine import backend
+
+    if backend() != "cpu":
+        return "MLX's scaled_dot_product_attention, row by row (GPU)"
+    got = native.info()
+    if got.active:
+        return (f"native pass over every row's cache (float32: 1 query a row; up to "
+                f"{ROWS_QUERIES} while the rows hold at most {ROWS_KEYS} keys)")  # fmt: skip
+    return f"MLX's scaled_dot_product_attention, row by row ({got.reason})"
+
+
 def sampling_path() -> str:
     """Which path a sampled token's cuts and draw (and logprobs) take, in words."""
     from kernels import native
@@ -220,6 +236,7 @@ def _doctor(args) -> int:
         "float32_batch_path": dense_path(),
         "delta_decode_path": delta_path(),
         "activation_path": activation_path(),
+        "attention_decode_path": attention_path(),
         "sampling_path": sampling_path(),
         "matmul_gflops_f32": round(blas.measure_gflops(), 1),
         "chatml_home": str(chatml_home()),  # built models, the tokenizer, sessions
@@ -227,9 +244,10 @@ def _doctor(args) -> int:
     if args.json:
         print(json.dumps(report))
     else:
+        width = max(map(len, report))
         for k, v in report.items():
             if v not in (None, ""):  # e.g. no note when the fast BLAS loaded
-                print(f"{k:>20}: {v}")
+                print(f"{k:>{width}}: {v}")
         if not info.fast and backend() == "cpu" and platform.system() == "Linux":
             print(f"\nslow reference BLAS in use: {blas.FIX_HINT}")
         if len(packages) > 1:

@@ -209,6 +209,7 @@ def test_doctor_names_the_float32_batch_path(mod, capsys, monkeypatch):
     assert report["blas_threads"] == blas.threads()
     assert report["delta_decode_path"].startswith("native fused update for 1-")
     assert report["activation_path"] == f"native vectorized pass ({isa})"
+    assert report["attention_decode_path"].startswith("native pass over every row's cache")
     assert report["sampling_path"] == "native pass over the vocabulary"
     assert report["blas_core"] == blas.core()  # e.g. SkylakeX; "" when not OpenBLAS
     monkeypatch.setenv("CHATML_NATIVE", "0")
@@ -222,6 +223,9 @@ def test_doctor_names_the_float32_batch_path(mod, capsys, monkeypatch):
         "MLX ops, compiled (no fused update: disabled by CHATML_NATIVE=0)"
     )
     assert report["activation_path"] == "MLX ops (scalar exp on x86: disabled by CHATML_NATIVE=0)"
+    assert report["attention_decode_path"] == (
+        "MLX's scaled_dot_product_attention, row by row (disabled by CHATML_NATIVE=0)"
+    )
     assert report["sampling_path"].endswith("vocabulary: disabled by CHATML_NATIVE=0)")
     monkeypatch.undo()
     native.reset()
