@@ -252,8 +252,8 @@ class AttentionRows : public UnaryPrimitive {
     const int Hkv = inputs[1].shape(1), Dv = out.shape(3), group = Hq / Hkv;
     std::vector<Task> tasks;
     for (int b = 0; b < B; ++b) {
-      const array& kb = row_major(inputs[1 + b], encoder);
-      const array& vb = row_major(inputs[1 + B + b], encoder);
+      const array kb = row_major(inputs[1 + b], encoder);  // held by the encoder if a copy
+      const array vb = row_major(inputs[1 + B + b], encoder);
       const size_t capacity = kb.shape(2);
       for (int h = 0; h < Hkv; ++h) {
         const size_t head = static_cast<size_t>(b) * Hq + static_cast<size_t>(h) * group;
