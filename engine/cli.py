@@ -111,7 +111,9 @@ def dense_path() -> str:
         outer = native.module().dense_outer_from()
         form = f": outer products from {outer} rows" if 0 < outer <= hi else ""
         one = "; 1 row: BLAS sgemv" if lo > 1 else ""
-        return f"native GEMV for {lo}-{hi} rows ({got.isa}{form}){one}; more: sgemm"
+        long_k = (f" ({lo}-{native.LONG_K_ROWS} for rows of {native.LONG_K}+ floats)"
+                  if native.LONG_K_ROWS < hi else "")  # fmt: skip
+        return f"native GEMV for {lo}-{hi} rows{long_k} ({got.isa}{form}){one}; more: sgemm"
     return f"BLAS sgemm (slower for {lo}-{hi} rows: {got.reason})"
 
 

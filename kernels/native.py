@@ -70,6 +70,12 @@ GEMV_ROWS = 64  # up to this many rows of x use the GEMV kernel; more: dequantiz
 #   faster on sgemm.
 # - generic (the portable kernel, dot products only): 2-32 rows; one row goes to sgemv.
 DENSE_ROWS = {"avx512": (1, 256), "avx2": (2, 256), "generic": (2, 32)}
+# Products with long rows (K >= LONG_K: the MLP's down projection, 1024 x 3584, and the Gated
+# DeltaNet's out_proj, 1024 x 2048, in the 0.8B) go to sgemm from LONG_K_ROWS + 1 rows on,
+# where its blocking over K pays: on an Intel Xeon with two FMA units (session 28) the outer
+# products ran them at 0.63-0.84x sgemm from 160 to 256 rows, on the Zen 4 of session 26 at
+# ~0.9x at 256 rows and 1.1x or more up to 128.
+LONG_K, LONG_K_ROWS = 2048, 128
 
 
 @dataclass(frozen=True)
@@ -328,7 +334,8 @@ def _dense_rows(isa: str) -> tuple[int, int]:
 
 def dense_matmul(x, w):
     """``x @ w.T`` for a float32 weight ``w [N, K]``: the native kernel when x has `dense_rows()`
-    rows (a decode step, a batched one, a speculative verify, a short prefill), MLX's matmul
+    rows (a decode step, a batched one, a speculative verify, a short prefill; at most
+    `LONG_K_ROWS` where K >= `LONG_K`), MLX's matmul
     otherwise (more rows: sgemm; one row where sgemv is faster: sgemv through the BLAS shim) and
     on the Python path. The same float32 dot products either way, summed in another
     order. A weight that is a view (e.g. transposed) is copied to row-major per call: correct,
@@ -344,6 +351,8 @@ def dense_matmul(x, w):
         and (mod := module()) is not None
     ):
         lo, hi = _dense_rows(_info.isa)  # loaded by module() just above; no second lock
+        if w.shape[1] >= LONG_K:
+            hi = min(hi, LONG_K_ROWS)
         if lo <= x.size // x.shape[-1] <= hi:
             return mod.dense_gemv(x, w)
     return x @ w.T

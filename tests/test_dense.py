@@ -136,6 +136,14 @@ def test_dense_matmul_takes_the_kernel_for_its_rows(mod, monkeypatch):
     # One row takes the kernel where its table says so (AVX-512); hi + 1 rows and bfloat16
     # stay with MLX.
     assert calls == [(r, 32) for r in (1, 2, hi) if lo <= r]
+    # Long rows: the kernel up to LONG_K_ROWS rows only (sgemm's blocking over K pays sooner)
+    calls.clear()
+    cap = min(hi, native.LONG_K_ROWS)
+    w = mx.random.normal((8, native.LONG_K))
+    for rows in (2, cap, cap + 1):
+        x = mx.random.normal((rows, native.LONG_K))
+        assert mx.allclose(native.dense_matmul(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
+    assert calls == [(2, native.LONG_K), (cap, native.LONG_K)]
 
 
 def test_two_threads_at_once(mod):
@@ -205,7 +213,11 @@ def test_doctor_names_the_float32_batch_path(mod, capsys, monkeypatch):
     outer = mod.dense_outer_from()
     assert 0 < outer <= hi or isa == "generic"  # the SIMD kernels switch within their range
     form = f": outer products from {outer} rows" if 0 < outer <= hi else ""
-    assert report["float32_batch_path"].startswith(f"native GEMV for {lo}-{hi} rows ({isa}{form})")
+    long_k = f" ({lo}-{native.LONG_K_ROWS} for rows of {native.LONG_K}+ floats)"
+    path = (
+        f"native GEMV for {lo}-{hi} rows{long_k if native.LONG_K_ROWS < hi else ''} ({isa}{form})"
+    )
+    assert report["float32_batch_path"].startswith(path)
     assert report["blas_threads"] == blas.threads()
     assert report["delta_decode_path"].startswith("native fused update for 1-")
     assert report["activation_path"] == f"native vectorized pass ({isa})"
