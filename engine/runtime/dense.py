@@ -5,7 +5,8 @@ every weight matrix; OpenBLAS's sgemm reads the weights of so few rows at about 
 sgemv's speed, so a batch of 4 would cost 4 single rows. The native kernel reads each weight
 once for all rows: dot products for a few rows, outer products on a register tile for more,
 up to 256 rows (`kernels.native.DENSE_ROWS`, by the CPU's kernel; one row too where it is as
-fast as sgemv and leaves no BLAS threads spinning). Longer prefills keep MLX's matmul (sgemm).
+fast as sgemv and leaves no BLAS threads spinning; up to 128 where the rows are 2048 floats or
+longer, `LONG_K_ROWS`). Longer prefills keep MLX's matmul (sgemm).
 
 The classes subclass MLX's layers, so parameters, their names, `nbytes` and `to_quantized`
 are unchanged; only bias-free layers are switched (Qwen3.5 has no biases).
