@@ -304,8 +304,11 @@ class Attention(nn.Module):
         """Row i of q, k, v `[B, H, T, D]` appends to its own cache `caches[i]` (of batch 1)
         and attends over it, whatever its length; returns `[B, T, Hq*D]`."""
         B, _, T, _ = q.shape
-        for i, c in enumerate(caches):
-            c.update(k[i : i + 1], v[i : i + 1]) if B > 1 else c.update(k, v)
+        if B == 1:  # no slice nodes for a lone row
+            caches[0].update(k, v)
+        else:
+            for i, c in enumerate(caches):
+                c.update(k[i : i + 1], v[i : i + 1])
         y = attention_rows(q, [c.keys for c in caches], [c.values for c in caches],
                            [c.offset for c in caches], self.d**-0.5, native=self.native)  # fmt: skip
         return y.transpose(0, 2, 1, 3).reshape(B, T, -1)
