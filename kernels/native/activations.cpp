@@ -225,41 +225,8 @@ class CausalSoftmax : public Primitive {
     encoder.dispatch([in = x.data<float>(), o = out.data<float>(), S, T, rows]() {
       auto job = [&](int part, int parts) {
         for (size_t r = rows * part / parts; r < rows * (part + 1) / parts; ++r) {
-          const float* a = in + r * S;
-          float* y = o + r * S;
           const int n = S - T + static_cast<int>(r % T) + 1;  // keys this query sees
-          vf mv = splat(-INFINITY);
-          int j = 0;
-          for (; j + L <= n; j += L) {
-            const vf v = load(a + j);
-            mv = v > mv ? v : mv;
-          }
-          float m = -INFINITY;
-          for (int l = 0; l < L; ++l) {
-            m = std::max(m, mv[l]);
-          }
-          for (; j < n; ++j) {
-            m = std::max(m, a[j]);
-          }
-          vf sv = {};
-          for (j = 0; j + L <= n; j += L) {
-            const vf e = exp(load(a + j) - m);
-            store(y + j, e);
-            sv += e;
-          }
-          float sum = 0.0f;
-          for (int l = 0; l < L; ++l) {
-            sum += sv[l];
-          }
-          for (; j < n; ++j) {
-            y[j] = exp1(a[j] - m);
-            sum += y[j];
-          }
-          const float inv = 1.0f / sum;
-          for (j = 0; j < n; ++j) {
-            y[j] *= inv;
-          }
-          std::fill(y + n, y + S, 0.0f);
+          softmax_row(in + r * S, o + r * S, n, S);
         }
       };
       const size_t most = rows * S < 16384 ? 1 : rows;  // small: not worth a wake-up

@@ -9,8 +9,8 @@
 //      (q * scale first), each as a float32 dot product with every key the row holds; the
 //      queries share each key's loads;
 //   2. the causal softmax of each query over the keys it sees (query t of T sees the first
-//      n - T + t + 1 of the row's n keys): the max, exp(s - max) with the vectorized exp, the
-//      sum, then times 1 / sum, as kernels/native/activations.cpp's causal_softmax;
+//      n - T + t + 1 of the row's n keys): vexp.h's softmax_row, the one a prefill's
+//      causal_softmax (activations.cpp) runs;
 //   3. the probabilities times v, key by key, in blocks of keys that stay in L1/L2 while the
 //      blocks of the output columns pass over them.
 // Keys and values are read in place from each row's buffer [1, Hkv, capacity, D]: rows of
@@ -102,42 +102,6 @@ void scores(const float* q, const float* k, int n, int D, float* s, size_t lds) 
   }
 }
 
-// In place over s[0, seen): the softmax; s[seen, n) becomes 0.
-void softmax(float* s, int seen, int n) {
-  vf mv = splat(-INFINITY);
-  int j = 0;
-  for (; j + L <= seen; j += L) {
-    const vf x = load(s + j);
-    mv = x > mv ? x : mv;
-  }
-  float m = -INFINITY;
-  for (int l = 0; l < L; ++l) {
-    m = std::max(m, mv[l]);
-  }
-  for (; j < seen; ++j) {
-    m = std::max(m, s[j]);
-  }
-  vf sv = {};
-  for (j = 0; j + L <= seen; j += L) {
-    const vf e = simd::exp(load(s + j) - m);
-    store(s + j, e);
-    sv += e;
-  }
-  float sum = 0.0f;
-  for (int l = 0; l < L; ++l) {
-    sum += sv[l];
-  }
-  for (; j < seen; ++j) {
-    s[j] = simd::exp1(s[j] - m);
-    sum += s[j];
-  }
-  const float inv = 1.0f / sum;
-  for (j = 0; j < seen; ++j) {
-    s[j] *= inv;
-  }
-  std::fill(s + seen, s + n, 0.0f);
-}
-
 // out[i][c0, c0 + CV * L) += sum over keys [j0, j1) of p[i][j] * v_j, for QB queries.
 template <int QB, int CV>
 void weigh(const float* p, size_t ldp, const float* v, int Dv, int j0, int j1, int c0,
@@ -225,7 +189,7 @@ void attend(const Task& t, int Q, int T, int Dk, int Dv, float scale, std::vecto
     }
   }
   for (int i = 0; i < Q; ++i) {
-    softmax(p.data() + i * ldp, t.n - T + i % T + 1, t.n);
+    simd::softmax_row(p.data() + i * ldp, p.data() + i * ldp, t.n - T + i % T + 1, t.n);
   }
   for (int i0 = 0; i0 < Q; i0 += kQueries) {
     const int qb = std::min(kQueries, Q - i0);

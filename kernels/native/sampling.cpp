@@ -159,25 +159,8 @@ void all(const float* x, int V, float temperature, Kept& out) {
   }
 }
 
-// max(a[0..n)) and, with `w`, w = exp(a - max) and their sum (in double, from float lanes
-// of at most 256 terms each).
-float max_of(const float* a, size_t n) {
-  vf mv = splat(-INFINITY);
-  size_t i = 0;
-  for (; i + L <= n; i += L) {
-    const vf v = load(a + i);
-    mv = v > mv ? v : mv;
-  }
-  float m = -INFINITY;
-  for (int j = 0; j < L; ++j) {
-    m = std::max(m, mv[j]);
-  }
-  for (; i < n; ++i) {
-    m = std::max(m, a[i]);
-  }
-  return m;
-}
-
+// With `w`, w = exp(a - max) and their sum (in double, from float lanes of at most 256
+// terms each); max_of is vexp.h's.
 double exp_sum(const float* a, size_t n, float m, float* w) {
   double sum = 0.0;
   vf sv = {};

@@ -1,5 +1,6 @@
-// Whole-vector float math shared by the native passes (activations.cpp, delta.cpp,
-// sampling.cpp): the vector type of this CPU, unaligned loads and stores, and exp.
+// Whole-vector float math shared by the native passes (activations.cpp, attention.cpp,
+// delta.cpp, sampling.cpp): the vector type of this CPU, unaligned loads and stores, exp, and
+// one row's softmax.
 //
 // MLX's CPU backend computes exp one float at a time on x86 (its simd layer has no x86
 // vectors, and each exp calls libm's fmaf), about 80 M/s. Here exp is a Cody-Waite reduction
@@ -8,7 +9,9 @@
 // float range (below -87.3 it is 0, as expf underflows there).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -83,6 +86,50 @@ inline vf sigmoid(vf x) {
 inline float exp1(float x) {  // the same math on one float: the tails of the arrays
   vf v = splat(x);
   return exp(v)[0];
+}
+
+// max(a[0, n)), -inf for n = 0.
+inline float max_of(const float* a, size_t n) {
+  vf mv = splat(-INFINITY);
+  size_t i = 0;
+  for (; i + L <= n; i += L) {
+    const vf v = load(a + i);
+    mv = v > mv ? v : mv;
+  }
+  float m = -INFINITY;
+  for (int j = 0; j < L; ++j) {
+    m = std::max(m, mv[j]);
+  }
+  for (; i < n; ++i) {
+    m = std::max(m, a[i]);
+  }
+  return m;
+}
+
+// The softmax of x[0, seen) into y[0, seen) in float32 (y may be x): the max, exp(x - max),
+// the sum, then times 1 / sum; y[seen, width) becomes 0 (the keys a causal query does not see).
+inline void softmax_row(const float* x, float* y, int seen, int width) {
+  const float m = max_of(x, seen);
+  vf sv = {};
+  int j = 0;
+  for (; j + L <= seen; j += L) {
+    const vf e = exp(load(x + j) - m);
+    store(y + j, e);
+    sv += e;
+  }
+  float sum = 0.0f;
+  for (int l = 0; l < L; ++l) {
+    sum += sv[l];
+  }
+  for (; j < seen; ++j) {
+    y[j] = exp1(x[j] - m);
+    sum += y[j];
+  }
+  const float inv = 1.0f / sum;
+  for (j = 0; j < seen; ++j) {
+    y[j] *= inv;
+  }
+  std::fill(y + seen, y + width, 0.0f);
 }
 
 }  // namespace simd
