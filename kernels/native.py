@@ -71,10 +71,11 @@ GEMV_ROWS = 64  # up to this many rows of x use the GEMV kernel; more: dequantiz
 # - generic (the portable kernel, dot products only): 2-32 rows; one row goes to sgemv.
 DENSE_ROWS = {"avx512": (1, 256), "avx2": (2, 256), "generic": (2, 32)}
 # Products with long rows (K >= LONG_K: the MLP's down projection, 1024 x 3584, and the Gated
-# DeltaNet's out_proj, 1024 x 2048, in the 0.8B) go to sgemm from LONG_K_ROWS + 1 rows on,
-# where its blocking over K pays: on an Intel Xeon with two FMA units (session 28) the outer
-# products ran them at 0.63-0.84x sgemm from 160 to 256 rows, on the Zen 4 of session 26 at
-# ~0.9x at 256 rows and 1.1x or more up to 128.
+# DeltaNet's out_proj, 1024 x 2048, in the 0.8B) go to sgemm from LONG_K_ROWS + 1 rows on: on
+# an Intel Xeon with two FMA units (session 28) the outer products ran them at 0.63-0.84x
+# sgemm from 160 to 256 rows, on the Zen 4 of session 26 at ~0.9x at 256 rows and 1.1x or more
+# up to 128. Since the kernel cuts K into slabs that stay in cache (session 29) it runs them
+# 1.2-1.5x faster at 64-128 rows, and at 0.81-1.08x sgemm from 160 to 256 on that Xeon.
 LONG_K, LONG_K_ROWS = 2048, 128
 
 

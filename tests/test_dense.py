@@ -80,6 +80,19 @@ def test_prefill_rows_match_float64_reference(mod, form):
         mod.dense_gemv(x, w, form="gemm")
 
 
+def test_outer_products_give_a_row_the_same_bits_in_any_company(mod):
+    """In the outer-product form each output is one running sum over K in k order, whichever
+    block of rows it sits in and however K is cut into slabs (512 rows: slabs of 128
+    columns; 48 rows: of 1360; 16 rows: one slab): the rows of a long prefill get exactly what
+    they get alone."""
+    w = offset_matrix(200, 3584, 3, seed=7)
+    x = mx.random.normal((512, 3584), key=mx.random.key(8))
+    whole = np.array(mod.dense_gemv(x, w, form="outer"))
+    for m0, m1 in ((0, 16), (100, 148), (495, 512)):
+        alone = np.array(mod.dense_gemv(x[m0:m1], w, form="outer"))
+        assert np.array_equal(alone, whole[m0:m1]), (m0, m1)
+
+
 def test_matches_mlx_matmul_at_every_phase(mod):
     for offset in range(16):  # 16 floats: every placement of a row in a 64-byte line
         w = offset_matrix(96, 1024, offset, seed=offset)
