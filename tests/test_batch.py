@@ -22,7 +22,7 @@ import engine
 from engine.runtime.batch import DEFAULT_PASS_TOKENS, PATIENCE, Batch, _Arrival, _Ticket
 from engine.runtime.cache import KVCache
 from engine.runtime.generate import prefill
-from engine.runtime.model import GatedDeltaNet
+from engine.runtime.model import Attention, GatedDeltaNet
 from engine.runtime.step import Row, cut, forward
 from engine.runtime.worker import Job
 from engine.serving.completion import parse_request
@@ -167,8 +167,12 @@ def test_a_packed_step_of_prefill_chunks_and_decode_rows_equals_each_row_alone(e
 
     grouped, real = [], GatedDeltaNet._rows_compiled
     monkeypatch.setattr(GatedDeltaNet, "_rows_compiled", lambda m: grouped.append(m) or real(m))
+    attended, attend_rows = [], Attention.attend_rows
+    monkeypatch.setattr(Attention, "attend_rows", lambda m, q, k, v, caches: attended.append(
+        len(caches)) or attend_rows(m, q, k, v, caches))  # fmt: skip
     together = forward(model, rows(packed))
     assert len(grouped) == sum(layer.is_linear for layer in model.layers)
+    assert attended.count(2) == sum(not layer.is_linear for layer in model.layers)
     singles = [forward(model, [row])[0] for row in rows(alone)]
     for (lp, mp), (ls, ms), want in zip(together, singles, (2, 1, 1, 0, 1)):
         if want:

@@ -235,15 +235,25 @@ class Attention(nn.Module):
         return self.packed(x, [(0, x.shape[1])], [cache])
 
     def packed(self, x: mx.array, spans: list[tuple[int, int]], caches: list) -> mx.array:
-        """Several rows' tokens packed along T (`x [B, T, H]`, row i at `x[:, s_i:e_i]` with
+        """Several rows' tokens packed along T (`x [1, T, H]`, row i at `x[:, s_i:e_i]` with
         its own KV cache `caches[i]`): the projections run once over all of them, attention
-        per row over that row's cache."""
+        per row over that row's cache, except that rows of one token go together through a
+        batched decode step's heads and attention (`attend_rows`: one pass for all)."""
         products = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        ys, gates = [], []
-        for (s, e), c in zip(spans, caches):
-            q, k, v, gate = self.heads(*(p[:, s:e] for p in products), c.offset)
-            ys.append(self.attend(q, k, v, c))
-            gates.append(gate)
+        ys: list = [None] * len(spans)
+        gates: list = [None] * len(spans)
+        ones = [i for i, (s, e) in enumerate(spans) if e - s == 1]
+        if len(ones) > 1:
+            at = mx.array([spans[i][0] for i in ones])
+            offsets = mx.array([caches[i].offset for i in ones])
+            q, k, v, gate = self.heads(*(p[0, at] for p in products), offsets)
+            y = self.attend_rows(q, k, v, [caches[i] for i in ones])
+            for j, i in enumerate(ones):
+                ys[i], gates[i] = y[j : j + 1], gate[j : j + 1]
+        for i, ((s, e), c) in enumerate(zip(spans, caches)):
+            if ys[i] is None:
+                q, k, v, gates[i] = self.heads(*(p[:, s:e] for p in products), c.offset)
+                ys[i] = self.attend(q, k, v, c)
         if len(ys) == 1:
             return self.output(ys[0], gates[0])
         return self.output(mx.concatenate(ys, axis=1), mx.concatenate(gates, axis=1))
