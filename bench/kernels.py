@@ -1,6 +1,7 @@
-"""Benchmark kernels/: chunked gated delta vs mx.fast, and MLX matmul with/without fast BLAS.
+"""Benchmark kernels/: chunked gated delta vs mx.fast (and the native fused pass, where the
+native module is built), and MLX matmul with/without fast BLAS.
 
-Run: ``python -m bench.kernels [--ts 512,2048,8192] [--repeats 3]``. Prints a table with the
+Run: ``python -m bench.kernels [--ts 128,240,512,2048] [--repeats 3]``. Prints a table with the
 conditions and ends with one JSON line. Each BLAS setting runs in its own interpreter,
 because the BLAS library must be chosen before mlx is first imported.
 """
@@ -29,7 +30,7 @@ def child(ts: list[int], repeats: int) -> dict:
     import mlx.core as mx
     import numpy as np
 
-    from kernels import gated_delta
+    from kernels import gated_delta, native
 
     info = blas.info()
     out: dict = {
@@ -68,6 +69,13 @@ def child(ts: list[int], repeats: int) -> dict:
             "speedup": t_seq / t_chunk,
             "rel_diff_y": diff,
         }
+        if native.module() is not None:  # what the engine runs on a CPU
+            t_fused = best_seconds(lambda a=args: mx.eval(gated_delta(*a, method="fused")), repeats)
+            y_f = np.array(gated_delta(*args, method="fused")[0])
+            out["gated_delta"][str(T)] |= {
+                "fused_s": t_fused,
+                "fused_rel_diff_y": float(np.abs(y_f - y_s_np).max() / np.abs(y_s_np).max()),
+            }
     return out
 
 
@@ -81,7 +89,7 @@ def run_child(blas_setting: str, ts: list[int], repeats: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--ts", default="512,2048,8192", help="sequence lengths (comma separated)")
+    ap.add_argument("--ts", default="128,240,512,2048", help="sequence lengths (comma separated)")
     ap.add_argument("--ref-ts", default="512", help="lengths also timed with the stock BLAS")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -110,15 +118,15 @@ def main() -> None:
     for n, gf in fast["gemm_gflops"].items():
         rf = ref["gemm_gflops"][n]
         print(f"  {n:>6s} {gf:10.1f} {rf:10.1f} {gf / rf:6.1f}x")
-    print("\ngated delta, seconds (best of repeats)")
-    print(
-        f"  {'BLAS':>9s} {'T':>6s} {'chunked':>9s} {'mx.fast':>9s} {'speedup':>8s} {'rel diff':>9s}"
-    )
+    print("\ngated delta, seconds (best of repeats); speedup: mx.fast / chunked")
+    print(f"  {'BLAS':>9s} {'T':>6s} {'chunked':>9s} {'mx.fast':>9s} {'speedup':>8s} "
+          f"{'rel diff':>9s} {'fused':>9s}")  # fmt: skip
     for name, res in (("fast", fast), ("reference", ref)):
         for T, r in res["gated_delta"].items():
+            fused = f"{r['fused_s']:9.4f}" if "fused_s" in r else f"{'-':>9s}"
             print(
                 f"  {name:>9s} {T:>6s} {r['chunked_s']:9.3f} {r['sequential_s']:9.3f} "
-                f"{r['speedup']:7.1f}x {r['rel_diff_y']:9.1e}"
+                f"{r['speedup']:7.1f}x {r['rel_diff_y']:9.1e} {fused}"
             )
     summary = {
         "bench": "kernels",

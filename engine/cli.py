@@ -118,9 +118,8 @@ def dense_path() -> str:
 
 
 def delta_path() -> str:
-    """Which path the Gated DeltaNet update of decode steps and short prefills takes, in words."""
+    """Which path the Gated DeltaNet update of decode steps and prefills takes, in words."""
     from kernels import native
-    from kernels.choice import MAX_FUSED_T
 
     from .engine import backend
 
@@ -128,7 +127,7 @@ def delta_path() -> str:
         return "MLX ops, compiled (GPU)"
     got = native.info()
     if got.active:
-        return f"native fused update for 1-{MAX_FUSED_T - 1} tokens ({got.isa})"
+        return f"native fused update ({got.isa})"
     return f"MLX ops, compiled (no fused update: {got.reason})"
 
 

@@ -11,11 +11,12 @@ The candidates:
     ops per token (``kernels.delta_rule._step``): on the CPU and CUDA, ``mx.fast`` runs the
     same math as ~34 small graph nodes per token, this as 9.
   - "fused": the tokens one after another in one native pass over each state row
-    (``kernels/native/delta.cpp``), where the native CPU module is built: decode steps, and
-    prefill segments shorter than ``MAX_FUSED_T``. "step" makes about four passes over the whole
-    state per token, each a trip to memory once a batch's states outgrow the caches; the
-    chunked path's setup (padding to a chunk, the triangular inverse) costs more than the
-    recurrence itself until a prefill spans a couple of chunks.
+    (``kernels/native/delta.cpp``), where the native CPU module is built: decode steps and
+    prefill segments of any length. "step" makes about four passes over the whole state per
+    token, each a trip to memory once a batch's states outgrow the caches; the chunked path is
+    a few hundred MLX ops per 64 tokens (copies, small matmuls, elementwise passes), 4-5x the
+    native pass at 240-512 tokens once that keeps a block of rows in L1 (see MAX_FUSED_T's
+    history in BENCHMARKS.md).
   - "mlx_lm": mlx-lm's own Metal kernel (``mlx_lm.models.gated_delta.gated_delta_kernel``),
     what mlx-lm itself runs on Metal for any Dk that is a multiple of 32.
 
@@ -35,11 +36,11 @@ MIN_CHUNKED_T = 16
 # hundred per 64 steps. An assumption until bench/gpu_check.py measures it on a CUDA device.
 MIN_CHUNKED_T_CUDA = 16
 
-# CPU with the native module: "fused" below this many steps, "chunked" from here. Measured on 2
-# AVX2 cores (Zen 3), 0.8B heads (16 x 128 x 128), one layer, fused vs chunked: T=16 1.0 vs 6.3
-# ms, T=40 2.6 vs 6.4, T=94 4.9 vs 12.8, T=128..512 even within the noise (10-60 ms both).
-# A short turn's prefill (40-100 tokens) spent ~40% of its non-matmul time in the chunked path.
-MAX_FUSED_T = 128
+# CPU with the native module: "fused" at every length. Measured on 2 AVX2 cores (Zen 3), 0.8B
+# heads (16 x 128 x 128), one layer, fused vs chunked: T=16 1.0 vs 6.3 ms, T=40 2.6 vs 6.4, T=94
+# 4.9 vs 12.8, T=128..512 even within the noise (10-60 ms both), so prefills of 128 tokens and
+# more went chunked. Since the fused pass takes a prefill segment's rows in blocks held in L1
+# (session 29), on an AVX-512 Xeon: T=128 2.5 vs 9.3 ms, T=240 4.8 vs 21, T=512 11 vs 50.
 
 # "step" builds 9 graph nodes per token in a Python loop: a guard against asking it for a prefill.
 MAX_STEP_T = 64
@@ -64,7 +65,7 @@ def choose(
     with the reference BLAS the chunked path is ~0.8x the sequential one, not a win.
     `native`: whether the native CPU module (kernels.native) is built, for "fused".
     """
-    if device == "cpu" and t < MAX_FUSED_T and native:
+    if device == "cpu" and native:
         return "fused"
     if device in ("cpu", "cuda") and t < MIN_CHUNKED_T:
         return "step"

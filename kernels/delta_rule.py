@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from kernels import activations
-from kernels.choice import MAX_FUSED_T, MAX_STEP_T, MIN_CHUNKED_T, choose, device_kind
+from kernels.choice import MAX_STEP_T, MIN_CHUNKED_T, choose, device_kind
 from kernels.triangular import unit_lower_inverse
 
 CHUNK = 64
@@ -171,10 +171,10 @@ def _resolve(method: str, q: mx.array, v: mx.array) -> str:
     _, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     device = device_kind()
-    # each asked only where it matters: long prefills skip the native lookup, decode the BLAS one
+    # the BLAS asked only where it matters (not for decode)
     short = T < MIN_CHUNKED_T
     fast = device != "cpu" or short or _fast_matmul()
-    native = device == "cpu" and T < MAX_FUSED_T and _native() is not None
+    native = device == "cpu" and _native() is not None
     return choose(device, Hk, Hv, Dk, Dv, T, fast_matmul=fast, native=native)
 
 
@@ -282,7 +282,7 @@ def _chunked(
     def chunks(x: mx.array) -> mx.array:  # [B, N*C, H, D] -> [B, H, N, C, D]
         return x.reshape(B, N, C, Hv, -1).transpose(0, 3, 1, 2, 4)
 
-    q, k, v = chunks(q), chunks(k), chunks(v)  # [B, H, N, C, D]
+    q, k, v = (mx.contiguous(chunks(x)) for x in (q, k, v))  # [B, H, N, C, D]
     a, beta = chunks(a)[..., 0], chunks(beta)[..., 0]  # [B, H, N, C]
 
     # D[t, s]: [B, H, N, C, C], 0 above the diagonal. C exps per step: on a CPU the native

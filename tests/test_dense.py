@@ -232,7 +232,7 @@ def test_doctor_names_the_float32_batch_path(mod, capsys, monkeypatch):
     )
     assert report["float32_batch_path"].startswith(path)
     assert report["blas_threads"] == blas.threads()
-    assert report["delta_decode_path"].startswith("native fused update for 1-")
+    assert report["delta_decode_path"].startswith("native fused update (")
     assert report["activation_path"] == f"native vectorized pass ({isa})"
     assert report["attention_decode_path"].startswith("native pass over every row's cache")
     assert report["sampling_path"] == "native pass over the vocabulary"

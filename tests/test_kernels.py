@@ -254,18 +254,24 @@ def test_fused_rows_match_reference(built, T, B, groups, Hk, Hv) -> None:
     assert_rows_close(inputs, groups, "step")
 
 
-@pytest.mark.parametrize("T, keep", [(16, [8]), (100, [1, 37, 64, 99]), (127, [])])
+@pytest.mark.parametrize("T, keep", [(16, [8]), (100, [1, 37, 64, 99]), (127, []),
+                                     (300, [7, 129, 299])])  # fmt: skip
 def test_fused_prefill_segments_match_reference(built, T, keep) -> None:
-    """Short prefills take the native one-pass update on the CPU: whole, and with the states
-    at ChatML boundaries kept, against the float64 recurrence."""
+    """Prefills take the native one-pass update on the CPU: whole, and with the states at
+    ChatML boundaries kept, against the float64 recurrence."""
     assert_kept_close(make_inputs(T, Hk=2, Hv=4, with_state=True, seed=T), keep, "fused")
 
 
 def test_fused_odd_head_sizes(built) -> None:
     """Dk not a multiple of the vector width (a masked tail) and Dv != Dk, heads split over
-    the thread pool (a 0.8B head shape at B = 2)."""
+    the thread pool (a 0.8B head shape at B = 2). From 8 tokens on, the state rows go in
+    blocks of one or two vector widths (8 or 16 rows each) with the rows past the last block
+    one by one: Dv = 24, 40 and 56 leave both kinds of block and a tail, Dk = 37 the
+    odd columns of a block."""
     rng = np.random.default_rng(7)
-    for B, T, Hk, Hv, Dk, Dv in ((2, 2, 2, 4, 40, 24), (2, 1, 16, 16, 128, 128)):
+    for B, T, Hk, Hv, Dk, Dv in ((2, 2, 2, 4, 40, 24), (2, 1, 16, 16, 128, 128),
+                                 (2, 9, 2, 4, 37, 24), (1, 20, 1, 2, 40, 40),
+                                 (1, 12, 2, 2, 16, 56), (2, 24, 16, 16, 128, 128)):  # fmt: skip
         q, k = rng.standard_normal((2, B, T, Hk, Dk))
         q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(Dk)
         k /= np.linalg.norm(k, axis=-1, keepdims=True)
@@ -310,7 +316,7 @@ HEADS = {"tiny": (4, 8, 32, 32), "0.8b": (16, 16, 128, 128), "9b": (16, 32, 128,
 
 @pytest.mark.parametrize("model", sorted(HEADS))
 def test_kernel_choice_per_device(model: str) -> None:
-    from kernels.choice import MAX_FUSED_T, MIN_CHUNKED_T, MIN_CHUNKED_T_CUDA, choose
+    from kernels.choice import MIN_CHUNKED_T, MIN_CHUNKED_T_CUDA, choose
 
     heads = HEADS[model]
     for t in (1, 7, 16, 64, 127, 128, 512):
@@ -320,8 +326,8 @@ def test_kernel_choice_per_device(model: str) -> None:
         assert choose("cpu", *heads, t) == ("step" if short else "chunked")
         assert choose("cpu", *heads, t, fast_matmul=False) == ("step" if short else "sequential")
         # ... and as one native pass per state row where the native module is built, for
-        # decode steps and for prefills until the chunked path's setup pays off.
-        assert choose("cpu", *heads, t, native=True) == ("fused" if t < MAX_FUSED_T else "chunked")
+        # decode steps and prefills of any length.
+        assert choose("cpu", *heads, t, native=True) == "fused"
         assert choose("cuda", *heads, t, native=True) == choose("cuda", *heads, t)
         # CUDA: mx.fast is T steps of small ops there, so prefill goes chunked.
         assert choose("cuda", *heads, t) == ("step" if t < MIN_CHUNKED_T_CUDA else "chunked")
