@@ -282,7 +282,7 @@ def _chunked(
     def chunks(x: mx.array) -> mx.array:  # [B, N*C, H, D] -> [B, H, N, C, D]
         return x.reshape(B, N, C, Hv, -1).transpose(0, 3, 1, 2, 4)
 
-    q, k, v = (mx.contiguous(chunks(x)) for x in (q, k, v))  # [B, H, N, C, D]
+    q, k, v = chunks(q), chunks(k), chunks(v)  # [B, H, N, C, D]
     a, beta = chunks(a)[..., 0], chunks(beta)[..., 0]  # [B, H, N, C]
 
     # D[t, s]: [B, H, N, C, C], 0 above the diagonal. C exps per step: on a CPU the native
