@@ -15,8 +15,8 @@ The candidates:
     prefill segments of any length. "step" makes about four passes over the whole state per
     token, each a trip to memory once a batch's states outgrow the caches; the chunked path is
     a few hundred MLX ops per 64 tokens (copies, small matmuls, elementwise passes), 4-5x the
-    native pass at 240-512 tokens once that keeps a block of rows in L1 (see MAX_FUSED_T's
-    history in BENCHMARKS.md).
+    native pass at 240-512 tokens once that keeps a block of rows in L1 (BENCHMARKS.md, "The
+    Gated DeltaNet prefill in blocks of rows").
   - "mlx_lm": mlx-lm's own Metal kernel (``mlx_lm.models.gated_delta.gated_delta_kernel``),
     what mlx-lm itself runs on Metal for any Dk that is a multiple of 32.
 

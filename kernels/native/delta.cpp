@@ -90,11 +90,11 @@ inline void row(const float* in, float* out, const float* q, const float* k, siz
   }
 }
 
-// A prefill segment: L rows of one head [i0, i0 + L) together, from T = kBlockFrom tokens on.
+// A prefill segment: a head's rows L or 2L at a time, from T = kBlockFrom tokens on.
 // Token by token, one row alone is a chain of dependent steps (its dot with k, summed across
 // the lanes; then the update and its dot with q, summed again) that leaves the FMA units
-// idle: ~70 us a token for a 0.8B layer's 16 heads on two Xeon cores. Here the L rows' states
-// are held transposed in `st` [Dk][L] (column j of the L rows in one vector), so each dot is
+// idle: ~70 us a token for a 0.8B layer's 16 heads on two Xeon cores. Here a block's states
+// are held transposed in `st` (column j of L rows in one vector), so each dot is
 // Dk multiply-adds by a broadcast k[j] or q[j] into several running vectors, one row a lane: no
 // sums across lanes, and L independent rows in every instruction. The block stays in L1 for
 // the whole segment; the transposes in and out cost a few tokens' worth, hence kBlockFrom.
