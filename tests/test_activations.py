@@ -85,6 +85,17 @@ def test_views_and_inputs_left_alone(mod):
     np.testing.assert_array_equal(np.array(at), before)
     # a lazy input nobody else holds (donated): same values
     close(activations.mul_sigmoid(a * 2, b.T, native=True), f64(a) * 2 * sigmoid64(f64(b.T)))
+    # The views a batched step hands over: each half of a joined projection's rows (rows
+    # apart, each row in one piece), heads of wider rows, and a run of two dimensions
+    # inside a third; copied a run at a time.
+    joined = mx.random.normal((4, 2 * 37), key=mx.random.key(3))
+    gate, up = joined[:, :37], joined[:, 37:]
+    close(activations.silu_mul(gate, up, native=True), f64(gate) * sigmoid64(f64(gate)) * f64(up))
+    x = mx.random.normal((3, 2, 5, 7), key=mx.random.key(4))
+    heads, other = x[:, 1:], x[:, :1]  # [3, 1, 5, 7]: runs of 35 floats, 70 apart
+    close(activations.mul_sigmoid(heads, other, native=True), f64(heads) * sigmoid64(f64(other)))
+    mid = x[:, :, 1:4]  # [3, 2, 3, 7]: runs of 21 floats, 35 apart
+    close(activations.silu_mul(mid, mid, native=True), f64(mid) * sigmoid64(f64(mid)) * f64(mid))
 
 
 @pytest.mark.parametrize(

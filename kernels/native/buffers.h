@@ -49,18 +49,26 @@ inline mlx::core::array row_major(const mlx::core::array& a,
   out.set_data(mlx::core::allocator::malloc(out.nbytes()));
   encoder.add_temporary(out);
   encoder.dispatch([src = a, dst = out]() mutable {
+    // Copied a run at a time: the trailing dimensions that already lie row-major in `src`
+    // (a row of a joined projection, a head) are one memcpy; the dimensions before them are
+    // walked as an odometer.
     const size_t item = src.itemsize();
+    const int nd = static_cast<int>(src.ndim());
+    int64_t run = 1;
+    int outer = nd;  // dimensions [0, outer) are walked, [outer, nd) are the run
+    while (outer > 0 && (src.shape(outer - 1) == 1 || src.strides()[outer - 1] == run)) {
+      run *= src.shape(--outer);
+    }
     const char* base = src.data<char>();
     char* to = dst.data<char>();
-    const int nd = static_cast<int>(src.ndim());
-    std::vector<int64_t> at(nd, 0);
-    for (size_t i = 0; i < src.size(); ++i) {
+    std::vector<int64_t> at(outer, 0);
+    for (size_t i = 0; i < src.size(); i += run) {
       int64_t offset = 0;
-      for (int d = 0; d < nd; ++d) {
+      for (int d = 0; d < outer; ++d) {
         offset += at[d] * src.strides()[d];
       }
-      std::memcpy(to + i * item, base + offset * static_cast<int64_t>(item), item);
-      for (int d = nd - 1; d >= 0 && ++at[d] == src.shape(d); --d) {
+      std::memcpy(to + i * item, base + offset * static_cast<int64_t>(item), run * item);
+      for (int d = outer - 1; d >= 0 && ++at[d] == src.shape(d); --d) {
         at[d] = 0;
       }
     }
