@@ -6,6 +6,10 @@ samples greedily. Reports, per batch size, the best-of-`--repeats` time of `--st
 the time per step relative to batch 1, and aggregate tokens/s relative to batch 1 (issue 19's
 targets: a step at batch 4 <= 1.3x batch 1, at batch 8 <= 1.8x). Prints a table, then JSON.
 
+`--check` also decodes every row alone, untimed, and compares each batched row's logits and
+greedy tokens with them, step by step (issue 19's exactness bound: logits within 1e-4 of
+single-row decoding in float32): `check.max_logit_diff` per batch size, `check.tokens_equal`.
+
 Every round times each batch size and each variant in turn, so the ratios share the moments of
 a noisy machine's load. Variants: `--paths` (the Gated DeltaNet decode update) and
 `--dense-rows LO-HI,...` (which row counts take the native few-row GEMV instead of MLX's
@@ -19,6 +23,8 @@ import argparse
 import json
 import os
 import time
+
+import numpy as np
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 PATHS = ("auto", "fused", "step")
@@ -59,6 +65,26 @@ def _label(variant: tuple[str, str]) -> str:
     return path if rows == "default" else f"{path}/rows={rows}"
 
 
+def _check(decode, rows: list, batches: list[int]) -> dict:
+    """Each batch size's rows decoded together against each row decoded alone."""
+    alone = []
+    for row in rows:
+        alone.append([])
+        decode([(list(row[0]), row[1])], [alone[-1]])
+    diff, equal = {}, True
+    for B in batches:
+        together = [[] for _ in range(B)]
+        decode([(list(c), t) for c, t in rows[:B]], together)
+        diff[str(B)] = max(
+            float(np.abs(a - b).max()) for k in range(B) for a, b in zip(together[k], alone[k])
+        )
+        equal &= all(
+            [int(a.argmax()) for a in together[k]] == [int(a.argmax()) for a in alone[k]]
+            for k in range(B)
+        )
+    return {"max_logit_diff": diff, "tokens_equal": equal}
+
+
 def _load() -> str:
     if not os.path.exists("/proc/loadavg"):
         return ""
@@ -67,7 +93,7 @@ def _load() -> str:
 
 def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
         clock: str = "wall", paths: tuple[str, ...] = ("auto",),
-        dense_rows: tuple[str, ...] = ("default",)) -> dict:  # fmt: skip
+        dense_rows: tuple[str, ...] = ("default",), check: bool = False) -> dict:  # fmt: skip
     import engine  # noqa: I001  (before mlx: the fast BLAS loads first)
     import mlx.core as mx
 
@@ -93,8 +119,10 @@ def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
         logits, _ = prefill(net, caches, ids, 0)
         rows.append((caches, mx.argmax(logits).item()))
 
-    def steps_of(B: int) -> float:
-        live = [(list(c), t) for c, t in rows[:B]]
+    def decode(live: list, keep: list | None = None) -> float:
+        """`steps` greedy steps of `live` rows [(caches, first token)] in one batched pass
+        each; then the rows' caches go back to their prefilled state. `keep`: one list per
+        row, given each step's logits (as numpy: untimed runs only)."""
         first = None  # the first step's marks: only they are kept, as the scheduler keeps one
         start = now()
         tokens = [mx.array([t]) for _, t in live]
@@ -102,6 +130,9 @@ def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
             out = forward(net, [Row(c, tok) for (c, _), tok in zip(live, tokens)])
             tokens = [mx.argmax(lg[-1]).reshape(1) for lg, _ in out]
             first = first or [m for _, m in out]
+            if keep is not None:
+                for kept, (lg, _) in zip(keep, out):
+                    kept.append(np.array(lg[-1].astype(mx.float32)))
             mx.async_eval(tokens)
         mx.eval(tokens)
         took = now() - start
@@ -111,6 +142,11 @@ def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
             eval_caches(caches)
         return took
 
+    def steps_of(B: int) -> float:
+        return decode([(list(c), t) for c, t in rows[:B]])
+
+    # The check runs the engine as loaded (its own row table and paths), before any variant.
+    checked = _check(decode, rows, batches) if check else None
     compiled: dict = {}
     variants = [(p, r) for p in paths for r in dense_rows]
     best = {v: dict.fromkeys(batches, float("inf")) for v in variants}
@@ -128,6 +164,8 @@ def run(model: str, batches: list[int], context: int, steps: int, repeats: int,
         native.DENSE_ROWS.update(table)
     out = {"bench": "batch", "model": model, "context": context, "steps": steps,
            "clock": clock, "isa": native.info().isa, "load": [load_at_start, _load()]}  # fmt: skip
+    if checked:
+        out["check"] = checked
     for v in variants:
         times = {b: t / steps for b, t in best[v].items()}
         base = times[batches[0]]
@@ -154,6 +192,8 @@ def main() -> None:
         help="comma-separated row ranges for the native dense GEMV, e.g. 2-12,1-12,none "
         "(default: kernels.native.DENSE_ROWS)",
     )
+    p.add_argument("--check", action="store_true",
+                   help="also compare each batched row's logits and tokens with the row alone")  # fmt: skip
     args = p.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     paths = tuple(args.paths.split(","))
@@ -166,7 +206,7 @@ def main() -> None:
         except ValueError:
             p.error(f"bad --dense-rows item {spec!r}: want LO-HI (e.g. 2-12), none or default")
     result = run(args.model, batches, args.context, args.steps, args.repeats, args.clock, paths,
-                 dense_rows)  # fmt: skip
+                 dense_rows, args.check)  # fmt: skip
     for label in (_label((p_, r)) for p_ in paths for r in dense_rows):
         r = result[label]
         print(f"{label}: {'batch':>6} {'ms/step':>9} {'x batch 1':>10} {'tok/s x':>8}")
@@ -174,6 +214,10 @@ def main() -> None:
             k = str(b)
             print(f"{' ' * len(label)}  {b:>6} {r['step_ms'][k]:>9} {r['step_ratio'][k]:>10} "
                   f"{r['aggregate_speedup'][k]:>8}")  # fmt: skip
+    if check := result.get("check"):
+        diffs = ", ".join(f"B={b} {d:.2g}" for b, d in check["max_logit_diff"].items())
+        same = "equal" if check["tokens_equal"] else "DIFFERENT"
+        print(f"check: max |logit difference| against each row alone: {diffs}; tokens {same}")
     print(json.dumps(result))
 
 

@@ -42,3 +42,36 @@ def test_batch_bench_times_each_dense_rows_variant(monkeypatch, capsys):
     # before it only put one row, the last position's logits, through the kernel)
     assert (table[native.info().isa], 2) in calls
     assert native.DENSE_ROWS == table  # the bench leaves the table as it found it
+
+
+def test_batch_bench_checks_each_row_against_the_row_alone(monkeypatch, capsys):
+    argv = ["python -m bench.batch", "--model", "tiny", "--batch", "1,3", "--context", "8",
+            "--steps", "3", "--repeats", "1", "--check"]  # fmt: skip
+    monkeypatch.setattr("sys.argv", argv)
+    batch.main()
+    lines = capsys.readouterr().out.strip().splitlines()
+    check = json.loads(lines[-1])["check"]
+    assert check["tokens_equal"] is True
+    assert set(check["max_logit_diff"]) == {"1", "3"}
+    assert check["max_logit_diff"]["1"] == 0.0  # a row alone twice: the same bits
+    assert check["max_logit_diff"]["3"] < 1e-4
+    assert lines[-2].startswith("check: max |logit difference|")
+
+
+def test_the_check_sees_a_row_that_decodes_differently_in_a_batch(monkeypatch):
+    """The comparison itself: a batched pass that perturbs one row's logits is reported."""
+    from engine.runtime import step
+
+    forward = step.forward
+
+    def perturbed(model, rows):
+        out = forward(model, rows)
+        if len(rows) > 1:
+            lg, mark = out[-1]
+            out[-1] = (lg + 1e-3, mark)
+        return out
+
+    monkeypatch.setattr(step, "forward", perturbed)
+    result = batch.run("tiny", [1, 2], context=8, steps=2, repeats=1, check=True)
+    assert result["check"]["max_logit_diff"]["1"] == 0.0
+    assert abs(result["check"]["max_logit_diff"]["2"] - 1e-3) < 1e-5
