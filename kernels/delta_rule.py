@@ -171,10 +171,9 @@ def _resolve(method: str, q: mx.array, v: mx.array) -> str:
     _, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     device = device_kind()
-    # the BLAS asked only where it matters (not for decode)
-    short = T < MIN_CHUNKED_T
-    fast = device != "cpu" or short or _fast_matmul()
     native = device == "cpu" and _native() is not None
+    # the BLAS asked only where it matters: a CPU prefill without the native pass
+    fast = device != "cpu" or native or T < MIN_CHUNKED_T or _fast_matmul()
     return choose(device, Hk, Hv, Dk, Dv, T, fast_matmul=fast, native=native)
 
 
