@@ -41,23 +41,12 @@ using namespace mlx::core;
 namespace chatml {
 namespace {
 
+using simd::hsum;
 using simd::L;
 using simd::load;
 using simd::splat;
 using simd::store;
 using simd::vf;
-
-inline float hsum(vf v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(v);
-#else
-  float s = 0.0f;
-  for (int l = 0; l < L; ++l) {
-    s += v[l];
-  }
-  return s;
-#endif
-}
 
 constexpr int kQueries = 4;  // queries per register tile (scores and output)
 // Output columns per tile of the weighted sum: kQueries * kColumnVecs accumulators.

@@ -3,8 +3,8 @@
 // Per batch row b and value head h (state S [Dv, Dk], key head h / (Hv / Hk)), each token t:
 //     S = g_t S;  u = beta_t (v_t - S k_t);  S += u k_t^T;  y_t = S q_t
 // Row i of S meets only v_t[i]: row by row, S[i] is read once from memory, and for every
-// token it is decayed and dotted with k (one loop over the row, in L1), then updated and
-// dotted with q (a second loop) before the next row. MLX's ops make several passes over the
+// token dotted with k and q (one loop over the row), then decayed and updated (a second loop,
+// in L1) before the next row; y_t[i] = g_t (S[i] q_t) + u[i] (k_t q_t). MLX's ops make several passes over the
 // whole [B, Hv, Dv, Dk] state per token (decay, k^T S, the rank-1 update, q S); past the
 // caches (a batch of 8 rows of a 0.8B model holds 8 MiB of state per layer) each pass costs a
 // trip to memory. Here a step costs one read and one write of each state.
@@ -39,15 +39,7 @@ using namespace mlx::core;
 namespace chatml {
 namespace {
 
-using namespace simd;  // the vector type, load and store (vexp.h)
-
-inline float hsum(vf v) {
-  float s = 0.0f;
-  for (int j = 0; j < L; ++j) {
-    s += v[j];
-  }
-  return s;
-}
+using namespace simd;  // the vector type, load, store, lane sums and dots (vexp.h)
 
 struct Shapes {
   int B, T, Hk, Hv, Dk, Dv;
@@ -55,38 +47,39 @@ struct Shapes {
 
 // Every token of one row of one head: `in` (the state row before the step, Dk floats) to
 // `out` (after it; may be `in` itself). x_t points at token t's q or k of the row's key head
-// (stride: tokens), v_i at v_t[i] (stride: tokens too), y_i at y_t[i].
+// (stride: tokens), v_i at v_t[i] (stride: tokens too), y_i at y_t[i]; kq[t] = k_t . q_t.
+// A token reads the row once for both of its dots, S k and S q, then writes it decayed and
+// updated: y = (g S + u k^T) q = g (S q) + u (k . q), so no sum waits on the written row and
+// the rows of a head are independent chains the CPU overlaps (a decode step is one token).
 inline void row(const float* in, float* out, const float* q, const float* k, size_t xs,
-                const float* v, const float* g, const float* beta, size_t hs, float* y,
-                const Shapes& s) {
+                const float* v, const float* g, const float* beta, size_t hs, const float* kq,
+                float* y, const Shapes& s) {
   const int Dk = s.Dk;
   const float* src = in;
   for (int t = 0; t < s.T; ++t, src = out) {
     const float* qt = q + t * xs;
     const float* kt = k + t * xs;
     const float gt = g[t * hs], bt = beta[t * hs];
-    vf acc = {};
+    vf ak = {}, aq = {};
     int j = 0;
     for (; j + L <= Dk; j += L) {
-      acc += load(src + j) * load(kt + j);
+      const vf x = load(src + j);
+      ak += x * load(kt + j);
+      aq += x * load(qt + j);
     }
-    float kv = hsum(acc);
+    float sk = hsum(ak), sq = hsum(aq);
     for (; j < Dk; ++j) {
-      kv += src[j] * kt[j];
+      sk += src[j] * kt[j];
+      sq += src[j] * qt[j];
     }
-    const float u = bt * (v[t * hs * s.Dv] - gt * kv);  // (g S) k = g (S k)
-    acc = vf{};
+    const float u = bt * (v[t * hs * s.Dv] - gt * sk);  // (g S) k = g (S k)
+    y[t * hs * s.Dv] = gt * sq + u * kq[t];
     for (j = 0; j + L <= Dk; j += L) {
-      const vf next = gt * load(src + j) + u * load(kt + j);
-      store(out + j, next);
-      acc += next * load(qt + j);
+      store(out + j, gt * load(src + j) + u * load(kt + j));
     }
-    float yt = hsum(acc);
     for (; j < Dk; ++j) {
       out[j] = gt * src[j] + u * kt[j];
-      yt += out[j] * qt[j];
     }
-    y[t * hs * s.Dv] = yt;
   }
 }
 
@@ -179,6 +172,7 @@ void heads(const float* q, const float* k, const float* v, const float* g, const
   const size_t head = static_cast<size_t>(s.Dv) * s.Dk;
   const int blocked = s.T >= kBlockFrom ? s.Dv / L * L : 0;  // rows taken L at a time
   std::vector<float> st(blocked > 0 ? static_cast<size_t>(s.Dk) * 2 * L : 0);
+  std::vector<float> kq(s.T);  // k_t . q_t of the current head, for the rows taken one by one
   for (int bh = h0; bh < h1; ++bh) {
     const int b = bh / s.Hv, h = bh % s.Hv;
     const size_t x0 = static_cast<size_t>(b) * s.T * xs + static_cast<size_t>(h / r) * s.Dk;
@@ -191,9 +185,14 @@ void heads(const float* q, const float* k, const float* v, const float* g, const
       f(sin + i * s.Dk, sout + i * s.Dk, q + x0, k + x0, xs, v + v0 + i, g + g0, beta + g0, hs,
         y + v0 + i, s, st.data());
     }
+    if (blocked < s.Dv) {
+      for (int t = 0; t < s.T; ++t) {
+        kq[t] = dot(k + x0 + t * xs, q + x0 + t * xs, s.Dk);
+      }
+    }
     for (int i = blocked; i < s.Dv; ++i) {
       row(sin + i * s.Dk, sout + i * s.Dk, q + x0, k + x0, xs, v + v0 + i, g + g0, beta + g0,
-          hs, y + v0 + i, s);
+          hs, kq.data(), y + v0 + i, s);
     }
   }
 }

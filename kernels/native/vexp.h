@@ -1,6 +1,6 @@
 // Whole-vector float math shared by the native passes (activations.cpp, attention.cpp,
-// delta.cpp, sampling.cpp): the vector type of this CPU, unaligned loads and stores, exp, and
-// one row's softmax.
+// delta.cpp, sampling.cpp): the vector type of this CPU, unaligned loads and stores, lane sums,
+// dot products, exp, and one row's softmax.
 //
 // MLX's CPU backend computes exp one float at a time on x86 (its simd layer has no x86
 // vectors, and each exp calls libm's fmaf), about 80 M/s. Here exp is a Cody-Waite reduction
@@ -14,6 +14,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace chatml {
 namespace simd {
@@ -38,6 +42,33 @@ inline void store(float* p, vf v) {
 
 inline vf splat(float x) {
   return vf{} + x;
+}
+
+// The sum of v's lanes (on AVX-512 a tree of shuffles and adds).
+inline float hsum(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(v);
+#else
+  float s = 0.0f;
+  for (int l = 0; l < L; ++l) {
+    s += v[l];
+  }
+  return s;
+#endif
+}
+
+// a[0, n) . b[0, n): a running sum per lane, then the lanes, then the tail.
+inline float dot(const float* a, const float* b, int n) {
+  vf acc = {};
+  int j = 0;
+  for (; j + L <= n; j += L) {
+    acc += load(a + j) * load(b + j);
+  }
+  float s = hsum(acc);
+  for (; j < n; ++j) {
+    s += a[j] * b[j];
+  }
+  return s;
 }
 
 // exp(x): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so r is exact), exp(r) by
