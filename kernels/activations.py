@@ -17,7 +17,7 @@ import mlx.nn as nn
 
 from . import native as _native
 
-__all__ = ["conv_silu", "exp", "mul_sigmoid", "silu_mul"]
+__all__ = ["conv_silu", "conv_silu_rows", "exp", "mul_sigmoid", "silu_mul"]
 
 
 def _module(native: bool, *arrays: mx.array):
@@ -69,3 +69,33 @@ def conv_silu(window: mx.array, weight: mx.array, *, native: bool = False) -> mx
         for j in range(1, K):
             conv = conv + window[:, j : j + T].astype(f32) * w[:, j]
     return nn.silu(conv.astype(window.dtype))
+
+
+def conv_silu_rows(x: mx.array, weight: mx.array, tails: list[mx.array], *,
+                   native: bool = False) -> tuple[mx.array, list[mx.array]]:  # fmt: skip
+    """``conv_silu`` for one token of B rows whose conv tails are separate arrays (a decode
+    step; each sequence keeps its own): ``x [B, C]`` (each row's new input), ``weight [C,
+    K]``, ``tails[i] [b_i, K-1, C]`` with the b_i adding up to B, rows in order. Returns
+    ``y [B, C]`` and each tail after the token (its last K-2 inputs, then x), one per input.
+
+    The native pass reads every tail where it is and writes each new tail as its own array
+    (over the old one where nobody else holds it): no window is built, nothing is stacked or
+    split. MLX's ops join the tails and x into the window ``[B, K, C]``, take
+    ``conv_silu`` of it, and cut the new tails from it. Both sum in the same order, so the
+    native pass's y equals ``conv_silu``'s bit for bit.
+    """
+    mod = _module(native, x) if weight.dtype == mx.float32 else None
+    if mod is not None and all(t.dtype == mx.float32 for t in tails):
+        y, *after = mod.conv_silu_rows(x, weight, tails)
+        return y, after
+    stacked = tails[0] if len(tails) == 1 else mx.concatenate(tails)
+    window = mx.concatenate([stacked, x[:, None]], axis=1)  # [B, K, C]
+    y = conv_silu(window, weight, native=native)[:, 0]
+    after = mx.contiguous(window[:, 1:])  # its own buffer, not a view pinning the window
+    if len(tails) == 1:
+        return y, [after]
+    cuts, at = [], 0
+    for t in tails[:-1]:
+        at += t.shape[0]
+        cuts.append(at)
+    return y, mx.split(after, cuts)

@@ -117,6 +117,64 @@ def test_conv_silu_matches_float64(mod, B, T, C, K):
     assert (np.abs(got - mlx_ops) <= 2e-6 * mag + 2 * REL * np.abs(ref)).all()
 
 
+def test_a_temporary_input_is_written_in_place(mod):
+    """A gate's input that nobody else holds (an intermediate of the graph) gives its buffer
+    to the output: the pass adds one buffer to the peak, not two."""
+    n = 1 << 22  # 16 MiB of float32
+    a = mx.random.normal((n,), key=mx.random.key(0))
+    mx.eval(a)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    y = activations.silu_mul(a * 2, a, native=True)
+    mx.eval(y)
+    assert mx.get_peak_memory() - base < 1.5 * n * 4
+    assert mx.array_equal(y, activations.silu_mul(mx.array(np.array(a * 2)), a, native=True))
+
+
+@pytest.mark.parametrize("groups, C, K", [([1], 6144, 4), ([1, 1, 1], 37, 4), ([2, 1, 5], 40, 4),
+                                           ([1, 2], 16, 2)])  # fmt: skip
+def test_conv_silu_rows_match_the_window(mod, groups, C, K):
+    """One token of B rows, each row's conv tail its own array (or a few rows stacked):
+    y is conv_silu over the window [tail, x] bit for bit (the same sums in the same order),
+    within the float64 conv's bound, and each new tail is the window's last K-1 inputs."""
+    B = sum(groups)
+    key = mx.random.key(B * C + K)
+    window = mx.random.normal((B, K, C), key=key)
+    weight = mx.random.normal((C, K), key=mx.random.key(K))
+    tails, at = [], 0
+    for n in groups:  # own buffers, as a cache holds them
+        tails.append(mx.array(np.array(window[at : at + n, :-1])))
+        at += n
+    x = mx.array(np.array(window[:, -1]))
+    y, after = activations.conv_silu_rows(x, weight, tails, native=True)
+    assert mx.array_equal(y, activations.conv_silu(window, weight, native=True)[:, 0])
+    w, xs = f64(weight), f64(window)
+    conv = sum(xs[:, j] * w[:, j] for j in range(K))
+    mag = sum(np.abs(xs[:, j] * w[:, j]) for j in range(K))
+    assert (np.abs(f64(y) - conv * sigmoid64(conv)) <= 1e-6 * mag + REL * np.abs(conv)).all()
+    assert [a.shape for a in after] == [t.shape for t in tails]
+    assert mx.array_equal(mx.concatenate(after), window[:, 1:])
+    y_ops, after_ops = activations.conv_silu_rows(x, weight, tails, native=False)
+    assert (np.abs(f64(y_ops) - f64(y)) <= 2e-6 * mag + 2 * REL * np.abs(conv)).all()
+    assert all(mx.array_equal(a, b) for a, b in zip(after_ops, after))
+
+
+def test_conv_silu_rows_leave_held_tails_alone(mod):
+    """A tail someone still holds (a snapshot shares it) is never overwritten; one nobody
+    holds may be updated in place, with the same result."""
+    x = mx.random.normal((2, 24), key=mx.random.key(1))
+    weight = mx.random.normal((24, 4), key=mx.random.key(2))
+    base = np.array(mx.random.normal((2, 3, 24), key=mx.random.key(3)))
+    held = [mx.array(base[:1]), mx.array(base[1:])]
+    y, after = activations.conv_silu_rows(x, weight, held, native=True)
+    mx.eval(y, after)
+    assert all(np.array_equal(np.array(t), base[i : i + 1]) for i, t in enumerate(held))
+    y2, again = activations.conv_silu_rows(
+        x, weight, [mx.array(base[:1]), mx.array(base[1:])], native=True
+    )
+    assert mx.array_equal(y2, y) and all(mx.array_equal(a, b) for a, b in zip(again, after))
+
+
 def attention64(q, k, v, scale):
     """Causal grouped-query attention in float64, the T queries being the last of S."""
     q, k, v = f64(q), f64(k), f64(v)
@@ -229,6 +287,10 @@ def test_bad_input_is_named(mod):
         mod.causal_softmax(mx.ones((2, 5, 3)))
     with pytest.raises(ValueError, match=r"window \[B, K-1\+T, C\]"):
         mod.conv_silu(mx.ones((1, 2, 8)), mx.ones((8, 4)))
+    with pytest.raises(ValueError, match=r"tails \[rows, K-1, C\] = \[rows, 3, 8\]"):
+        mod.conv_silu_rows(mx.ones((2, 8)), mx.ones((8, 4)), [mx.ones((2, 2, 8))])
+    with pytest.raises(ValueError, match="the tails hold 1 rows, x has B = 2"):
+        mod.conv_silu_rows(mx.ones((2, 8)), mx.ones((8, 4)), [mx.ones((1, 3, 8))])
     q, kv = mx.ones((2, 8, 1, 16)), [mx.ones((1, 2, 10, 16))] * 2
     with pytest.raises(ValueError, match="one length per row"):
         mod.attention_rows(q, kv, kv, [3], 1.0)

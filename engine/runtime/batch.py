@@ -201,9 +201,9 @@ class Batch:
 
 
 def own_buffers(caches: list) -> None:
-    """Give each recurrent cache its own arrays: after a batched step the conv tails (and,
-    off the fused CPU kernel, the states) are slices of the batch's stacked arrays, which
-    would keep the whole batch's alive (and uncounted). Arrays already their own stay as is."""
+    """Give each recurrent cache its own arrays: after a batched step off the native CPU
+    kernels the conv tails and states are slices of the batch's stacked arrays, which would
+    keep the whole batch's alive (and uncounted). Arrays already their own stay as is."""
     for c in caches:
         # (isinstance: a pipeline's remote layers hold handles, not arrays; see shard.py)
         if isinstance(c, RecurrentCache) and isinstance(c.state, mx.array):

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kernels import gated_delta_kept, gated_delta_rows
-from kernels.activations import conv_silu, mul_sigmoid, silu_mul
+from kernels.activations import conv_silu, conv_silu_rows, mul_sigmoid, silu_mul
 from kernels.attention import attention, attention_rows
 
 from ..checkpoints.registry import Architecture
@@ -94,12 +94,13 @@ class GatedDeltaNet(nn.Module):
                 if e - s == 1 and c.conv is not None and not c.capture]  # fmt: skip
         if len(ones) > 1:
             at = mx.array([spans[i][0] for i in ones])
-            tails = mx.concatenate([caches[i].conv for i in ones])
             y, tails, states = self._rows_compiled()(
-                *(p[0, at] for p in products), tails, [caches[i].state for i in ones]
+                *(p[0, at] for p in products),
+                [caches[i].conv for i in ones],
+                [caches[i].state for i in ones],
             )
             for j, i in enumerate(ones):
-                caches[i].update(tails[j : j + 1], states[j], 1)
+                caches[i].update(tails[j], states[j], 1)
                 ys[i] = y[None, j : j + 1]
         for i, ((s, e), c) in enumerate(zip(spans, caches)):
             if ys[i] is None:
@@ -155,23 +156,23 @@ class GatedDeltaNet(nn.Module):
         y = silu_mul(z.astype(f32), y.astype(f32), native=native).astype(qkv.dtype)
         return y.reshape(B, T, -1)
 
-    def decode(self, x: mx.array, tail: mx.array, states: list[mx.array]):
-        """One token `x [B, H]` (2-D: matmuls need no reshapes) from the conv tail `[B, K-1, C]`
-        and the delta states (`states[i]` `[b_i, Hv, Dv, Dk]`, B rows in all: each row of a
-        batch keeps its own, see `gated_delta_rows`): the same math as `__call__`, as a pure
-        function for `mx.compile`; returns (output `[B, H]`, new tail, new states)."""
-        y, tail, states = self._rows(*self._inputs(x), tail, states)
-        return self.out_proj(y), tail, states
+    def decode(self, x: mx.array, tails: list[mx.array], states: list[mx.array]):
+        """One token `x [B, H]` (2-D: matmuls need no reshapes) from the conv tails and the
+        delta states, one of each per sequence (`tails[i]` `[b_i, K-1, C]`, `states[i]`
+        `[b_i, Hv, Dv, Dk]`, B rows in all: each row of a batch keeps its own, see
+        `conv_silu_rows` and `gated_delta_rows`): the same math as `__call__`, as a pure
+        function for `mx.compile`; returns (output `[B, H]`, new tails, new states)."""
+        y, tails, states = self._rows(*self._inputs(x), tails, states)
+        return self.out_proj(y), tails, states
 
-    def _rows(self, qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, tail: mx.array,
-              states: list[mx.array]):  # fmt: skip
+    def _rows(self, qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
+              tails: list[mx.array], states: list[mx.array]):  # fmt: skip
         """`decode` after the projections (qkv `[B, C]`, z `[B, Hv*Dv]`, b and a `[B, Hv]`):
-        the gated output `[B, Hv*Dv]` before `out_proj`, the new tail and states."""
+        the gated output `[B, Hv*Dv]` before `out_proj`, the new tails and states."""
         B = qkv.shape[0]
         f32 = mx.float32
-        window = mx.concatenate([tail, qkv[:, None]], axis=1)  # [B, K, C]
         native = self.options.native_activations
-        conv = conv_silu(window, self.conv_weight, native=native)[:, 0]  # [B, C]
+        conv, tails = conv_silu_rows(qkv, self.conv_weight, tails, native=native)  # [B, C]
         kd = self.hk * self.dk
         q = conv[..., :kd].reshape(B, 1, self.hk, self.dk)
         k = conv[..., kd : 2 * kd].reshape(B, 1, self.hk, self.dk)
@@ -187,7 +188,7 @@ class GatedDeltaNet(nn.Module):
         z = z.reshape(B, 1, self.hv, self.dv)
         y = _rms_norm(y, self.norm.weight, self.eps)
         y = silu_mul(z.astype(f32), y.astype(f32), native=native).astype(qkv.dtype)
-        return y.reshape(B, -1), mx.contiguous(window[:, 1:]), states
+        return y.reshape(B, -1), tails, states
 
 
 def _tail(window: mx.array, start: int, n: int) -> mx.array:
@@ -409,7 +410,7 @@ class DecoderLayer(nn.Module):
         recompilation."""
         steps = self._compiled()
         if self.is_linear:
-            h, conv, (state,) = steps[0](x, cache.conv, [cache.state])
+            h, (conv,), (state,) = steps[0](x, [cache.conv], [cache.state])
             cache.update(conv, state, 1)
             return h
         attention_in, attention_out = steps
@@ -419,18 +420,17 @@ class DecoderLayer(nn.Module):
     def decode_rows(self, x: mx.array, caches: list) -> mx.array:
         """One token for each of B rows, `x [B, 1, H]`, each row with its own cache (`caches[i]`
         of batch 1): the projections and the MLP run as one `[B, H]` product, which reads the
-        weights once for all rows. A Gated DeltaNet layer stacks the rows' conv tails (small)
-        and hands the delta rule each row's state as it is (`gated_delta_rows`: the fused CPU
-        kernel reads and writes them where a stack and split would copy them); an attention
+        weights once for all rows. A Gated DeltaNet layer hands the conv and the delta rule
+        each row's conv tail and state as they are (`conv_silu_rows`, `gated_delta_rows`: the
+        CPU kernels read and write them where a stack and split would copy them); an attention
         layer attends over each row's own KV cache, whatever its length, every row in one
         pass on the CPU (`attention_rows`). The same compiled functions as `_decode`, at
         batch B."""
         steps = self._compiled()
         if self.is_linear:
-            tails = mx.concatenate([c.conv for c in caches])
-            h, tails, states = steps[0](x, tails, [c.state for c in caches])
-            for i, (c, state) in enumerate(zip(caches, states, strict=True)):
-                c.update(tails[i : i + 1], state, 1)
+            h, tails, states = steps[0](x, [c.conv for c in caches], [c.state for c in caches])
+            for c, tail, state in zip(caches, tails, states, strict=True):
+                c.update(tail, state, 1)
             return h
         attention_in, attention_out = steps
         offsets = mx.array([c.offset for c in caches])
@@ -448,10 +448,10 @@ class DecoderLayer(nn.Module):
                 )
         return self._steps
 
-    def _linear_step(self, x: mx.array, tail: mx.array, states: list[mx.array]):
+    def _linear_step(self, x: mx.array, tails: list[mx.array], states: list[mx.array]):
         x2 = x.reshape(x.shape[0], -1)  # [B, H]
-        y, tail, states = self.linear_attn.decode(self.input_layernorm(x2), tail, states)
-        return self._mlp_residual(x2 + y).reshape(x.shape), tail, states
+        y, tails, states = self.linear_attn.decode(self.input_layernorm(x2), tails, states)
+        return self._mlp_residual(x2 + y).reshape(x.shape), tails, states
 
     def _attention_in(self, x: mx.array, offset: mx.array):
         return self.self_attn.project(self.input_layernorm(x.reshape(x.shape[0], -1)), offset)

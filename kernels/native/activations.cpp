@@ -20,6 +20,7 @@
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -101,8 +102,7 @@ class Elementwise : public Primitive {
       encoder.set_input_array(a);
     }
     array& out = outputs[0];
-    const array a = row_major(inputs[0], encoder);
-    donate_or_alloc(a, out);
+    const array a = read_into(inputs[0], out, encoder);
     encoder.set_output_array(out);
     const float* pb = inputs.size() > 1 ? row_major(inputs[1], encoder).data<float>() : nullptr;
     const float* pa = a.data<float>();
@@ -131,10 +131,47 @@ class Elementwise : public Primitive {
   Op op_;
 };
 
-// The causal depthwise conv of a Gated DeltaNet layer and its silu: out [B, T, C] from the
-// window [B, K-1+T, C] (the conv tail, then the chunk's inputs) and weight [C, K]:
-// out[b, t, c] = silu(sum_j window[b, t + j, c] * weight[c, j]), summed for j = 0..K-1 in
-// float32 in that order (the order of the multiply-adds in engine/runtime/model.py).
+// The causal depthwise conv of a Gated DeltaNet layer and its silu, for one output row:
+// o[c] = silu(sum_j tap[j][c] * wt[j][c]), summed for j = 0..K-1 in float32 in that order (the
+// order of the multiply-adds in engine/runtime/model.py). tap[j] is the input row at tap j
+// (of the window: positions t..t+K-1); wt is the weight transposed to [K, C], so the inner
+// loop reads it as vectors.
+void conv_row(const float* const* tap, const float* wt, float* o, int C, int K) {
+  int c = 0;
+  for (; c + L <= C; c += L) {
+    vf s = load(tap[0] + c) * load(wt + c);
+    for (int j = 1; j < K; ++j) {
+      s = s + load(tap[j] + c) * load(wt + static_cast<size_t>(j) * C + c);
+    }
+    store(o + c, s * sigmoid(s));
+  }
+  for (; c < C; ++c) {
+    float s = tap[0][c] * wt[c];
+    for (int j = 1; j < K; ++j) {
+      s += tap[j][c] * wt[static_cast<size_t>(j) * C + c];
+    }
+    o[c] = s / (1.0f + exp1(-s));
+  }
+}
+
+std::vector<float> transposed(const float* w, int C, int K) {  // [C, K] -> [K, C]
+  std::vector<float> wt(static_cast<size_t>(K) * C);
+  for (int c = 0; c < C; ++c) {
+    for (int j = 0; j < K; ++j) {
+      wt[static_cast<size_t>(j) * C + c] = w[static_cast<size_t>(c) * K + j];
+    }
+  }
+  return wt;
+}
+
+// Rows of B * C floats or more split over the pool; small ones are not worth a wake-up.
+int parts_for_rows(size_t rows, int C) {
+  const size_t most = rows * C < 16384 ? 1 : rows;
+  return static_cast<int>(std::min<size_t>(pool().size(), most));
+}
+
+// The conv over a chunk: out [B, T, C] from the window [B, K-1+T, C] (the conv tail, then the
+// chunk's inputs) and weight [C, K].
 class ConvSilu : public Primitive {
  public:
   explicit ConvSilu(Stream stream) : Primitive(stream) {}
@@ -151,40 +188,19 @@ class ConvSilu : public Primitive {
     const int B = out.shape(0), T = out.shape(1), C = out.shape(2), K = weight.shape(1);
     encoder.dispatch([x = window.data<float>(), w = weight.data<float>(), y = out.data<float>(),
                       B, T, C, K]() {
-      // weights transposed to [K, C] once, so the inner loop reads them as vectors
-      std::vector<float> wt(static_cast<size_t>(K) * C);
-      for (int c = 0; c < C; ++c) {
-        for (int j = 0; j < K; ++j) {
-          wt[static_cast<size_t>(j) * C + c] = w[static_cast<size_t>(c) * K + j];
-        }
-      }
+      const std::vector<float> wt = transposed(w, C, K);
       const size_t rows = static_cast<size_t>(B) * T;
       auto job = [&](int part, int parts) {
+        std::vector<const float*> tap(K);
         for (size_t r = rows * part / parts; r < rows * (part + 1) / parts; ++r) {
           const size_t b = r / T, t = r % T;
-          const float* in = x + (b * (T + K - 1) + t) * C;
-          float* o = y + r * C;
-          int c = 0;
-          for (; c + L <= C; c += L) {
-            vf s = load(in + c) * load(wt.data() + c);
-            for (int j = 1; j < K; ++j) {
-              s = s + load(in + static_cast<size_t>(j) * C + c) *
-                          load(wt.data() + static_cast<size_t>(j) * C + c);
-            }
-            store(o + c, s * sigmoid(s));
+          for (int j = 0; j < K; ++j) {
+            tap[j] = x + (b * (T + K - 1) + t + j) * C;
           }
-          for (; c < C; ++c) {
-            float s = in[c] * wt[c];
-            for (int j = 1; j < K; ++j) {
-              s += in[static_cast<size_t>(j) * C + c] * wt[static_cast<size_t>(j) * C + c];
-            }
-            o[c] = s / (1.0f + exp1(-s));
-          }
+          conv_row(tap.data(), wt.data(), y + r * C, C, K);
         }
       };
-      const size_t most = rows * C < 16384 ? 1 : rows;  // small: not worth a wake-up
-      const int parts = static_cast<int>(std::min<size_t>(pool().size(), most));
-      pool().run(job, parts);
+      pool().run(job, parts_for_rows(rows, C));
     });
   }
 
@@ -206,6 +222,84 @@ class ConvSilu : public Primitive {
   }
 };
 
+// The conv for one token of B rows whose conv tails are separate arrays, as in a batched
+// decode step where each sequence keeps its own: x [B, C] (each row's new input), weight
+// [C, K], tails [b_i, K-1, C] (b_i adding up to B). Outputs: y [B, C], then each row's tail
+// after the token (its last K-2 inputs and x), one array per tail. The window [tail, x] is
+// never built: a batch of such steps used to stack the tails, join x to them and copy the new
+// tails out again, three copies of every tail per layer and token. A tail nobody else holds
+// (a snapshot shares the old one) is overwritten in place. y is conv_row's, as ConvSilu's.
+class ConvSiluRows : public Primitive {
+ public:
+  explicit ConvSiluRows(Stream stream) : Primitive(stream) {}
+
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (const array& a : inputs) {
+      encoder.set_input_array(a);
+    }
+    const array x = row_major(inputs[0], encoder);
+    const array weight = row_major(inputs[1], encoder);
+    outputs[0].set_data(allocator::malloc(outputs[0].nbytes()));
+    const int C = x.shape(1), K = weight.shape(1);
+    const size_t per_row = static_cast<size_t>(K - 1) * C;
+    std::vector<const float*> in;
+    std::vector<float*> out;
+    for (size_t i = 2; i < inputs.size(); ++i) {
+      array& next = outputs[i - 1];
+      const array tail = read_into(inputs[i], next, encoder);
+      for (int b = 0; b < tail.shape(0); ++b) {
+        in.push_back(tail.data<float>() + b * per_row);
+        out.push_back(next.data<float>() + b * per_row);
+      }
+    }
+    for (array& a : outputs) {
+      encoder.set_output_array(a);
+    }
+    encoder.dispatch([px = x.data<float>(), w = weight.data<float>(),
+                      y = outputs[0].data<float>(), in = std::move(in), out = std::move(out), C,
+                      K]() {
+      const std::vector<float> wt = transposed(w, C, K);
+      const size_t rows = in.size();
+      auto job = [&](int part, int parts) {
+        std::vector<const float*> tap(K);
+        for (size_t b = rows * part / parts; b < rows * (part + 1) / parts; ++b) {
+          const float* xb = px + b * C;
+          for (int j = 0; j < K - 1; ++j) {
+            tap[j] = in[b] + static_cast<size_t>(j) * C;
+          }
+          tap[K - 1] = xb;
+          conv_row(tap.data(), wt.data(), y + b * C, C, K);
+          // The tail moves up one input (in place when out[b] is in[b]: memmove) and takes x.
+          std::memmove(out[b], in[b] + C, sizeof(float) * (K - 2) * C);
+          std::memcpy(out[b] + static_cast<size_t>(K - 2) * C, xb, sizeof(float) * C);
+        }
+      };
+      pool().run(job, parts_for_rows(rows, C));
+    });
+  }
+
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("[chatml.conv_silu_rows] runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "ChatmlConvSiluRows";
+  }
+
+  bool is_equivalent(const Primitive&) const override {
+    return true;
+  }
+
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    std::vector<Shape> shapes{inputs[0].shape()};
+    for (size_t i = 2; i < inputs.size(); ++i) {
+      shapes.push_back(inputs[i].shape());
+    }
+    return shapes;
+  }
+};
+
 // Softmax over the last axis of causal attention scores [..., T, S] whose T queries are the
 // last T of the S positions: row i sees keys 0..S-T+i, the rest of its row becomes 0. Each row
 // in float32: its max, exp(x - max) with the vectorized exp, the sum, then a scale.
@@ -216,9 +310,8 @@ class CausalSoftmax : public Primitive {
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
     auto& encoder = cpu::get_command_encoder(stream());
     encoder.set_input_array(inputs[0]);
-    const array x = row_major(inputs[0], encoder);
     array& out = outputs[0];
-    donate_or_alloc(x, out);
+    const array x = read_into(inputs[0], out, encoder);
     encoder.set_output_array(out);
     const int S = x.shape(-1), T = x.shape(-2);
     const size_t rows = x.size() / S;
@@ -229,8 +322,7 @@ class CausalSoftmax : public Primitive {
           softmax_row(in + r * S, o + r * S, n, S);
         }
       };
-      const size_t most = rows * S < 16384 ? 1 : rows;  // small: not worth a wake-up
-      pool().run(job, static_cast<int>(std::min<size_t>(pool().size(), most)));
+      pool().run(job, parts_for_rows(rows, S));
     });
   }
 
@@ -277,6 +369,34 @@ array conv_silu(const array& window, const array& weight) {
   return array(shape, float32, std::make_shared<ConvSilu>(s), {window, weight});
 }
 
+std::vector<array> conv_silu_rows(const array& x, const array& weight,
+                                  const std::vector<array>& tails) {
+  check(x.dtype() == float32 && weight.dtype() == float32, "conv_silu_rows",
+        "takes float32 arrays");
+  check(x.ndim() == 2 && weight.ndim() == 2 && weight.shape(0) == x.shape(1) &&
+            weight.shape(1) >= 2,
+        "conv_silu_rows", "takes x [B, C] and weight [C, K] with K >= 2");
+  const int K = weight.shape(1), C = x.shape(1);
+  int rows = 0;
+  std::vector<array> inputs{x, weight};
+  std::vector<Shape> shapes{x.shape()};
+  for (const array& t : tails) {
+    check(t.dtype() == float32 && t.ndim() == 3 && t.shape(1) == K - 1 && t.shape(2) == C,
+          "conv_silu_rows",
+          "takes float32 tails [rows, K-1, C] = [rows, " + std::to_string(K - 1) + ", " +
+              std::to_string(C) + "]");
+    rows += t.shape(0);
+    inputs.push_back(t);
+    shapes.push_back(t.shape());
+  }
+  check(rows == x.shape(0), "conv_silu_rows",
+        "the tails hold " + std::to_string(rows) + " rows, x has B = " +
+            std::to_string(x.shape(0)));
+  Stream s = default_stream(Device::cpu);
+  return array::make_arrays(std::move(shapes), std::vector<Dtype>(inputs.size() - 1, float32),
+                            std::make_shared<ConvSiluRows>(s), inputs);
+}
+
 array causal_softmax(const array& scores) {
   check(scores.dtype() == float32, "causal_softmax", "takes float32 scores");
   check(scores.ndim() >= 2 && scores.shape(-2) <= scores.shape(-1) && scores.shape(-2) > 0,
@@ -307,6 +427,9 @@ void bind_activations(nb::module_& m) {
         "causally masked (CPU, float32).");
   m.def("conv_silu", &conv_silu, nb::arg("window"), nb::arg("weight"),
         "silu of the causal depthwise conv: window [B, K-1+T, C], weight [C, K] -> [B, T, C].");
+  m.def("conv_silu_rows", &conv_silu_rows, nb::arg("x"), nb::arg("weight"), nb::arg("tails"),
+        "conv_silu for one token of B rows, each row's conv tail its own array: x [B, C], "
+        "weight [C, K], tails [b_i, K-1, C] -> [y [B, C], *tails after the token].");
 }
 
 }  // namespace chatml

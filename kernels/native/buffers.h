@@ -76,4 +76,18 @@ inline mlx::core::array row_major(const mlx::core::array& a,
   return out;
 }
 
+// An input read row-major (`row_major`) and the output written from it: `out` takes `in`'s
+// buffer where nobody else holds it (the kernel then writes in place), else one of its own.
+// Donation is decided on `in` itself: a copy of the handle, such as row_major returns, would
+// count as one more holder and never donate.
+inline mlx::core::array read_into(const mlx::core::array& in, mlx::core::array& out,
+                                  mlx::core::cpu::CommandEncoder& encoder) {
+  if (is_row_major(in)) {
+    donate_or_alloc(in, out);
+    return in;
+  }
+  out.set_data(mlx::core::allocator::malloc(out.nbytes()));
+  return row_major(in, encoder);
+}
+
 }  // namespace chatml
