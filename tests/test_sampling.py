@@ -140,8 +140,10 @@ def cuts_reference(logits, temperature, top_k, min_p, top_p) -> np.ndarray:
     p /= p.sum()
     if min_p:
         x = np.where(p < min_p * p.max(), -np.inf, x)
-    if top_p < 1.0:
-        before = np.array([p[p > q].sum() for q in p])
+    if top_p < 1.0:  # each distinct value's mass, then the mass of the values above it
+        which = np.unique(p, return_inverse=True)[1]  # ascending values
+        mass = np.bincount(which, weights=p)
+        before = np.append(np.cumsum(mass[::-1])[::-1][1:], 0.0)[which]
         x = np.where(before >= top_p, -np.inf, x)
     return x
 
