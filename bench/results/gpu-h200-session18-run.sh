@@ -1,6 +1,6 @@
 #!/bin/bash
 # A record of session 18's device runs (BENCHMARKS.md, NVIDIA H200): run from the repo root with the
-# wheels and the cut backend (gpu-h200-session18-fatbin.py) in .whl/, carried to the machine.
+# wheels and the cut backend (now `python -m bench.gpu_carry`) in .whl/, carried to the machine.
 # On the lent NVIDIA machine: MLX's CUDA backend from carried files, then bench.gpu_check and
 # the GPU-relevant tests. Not committed (.whl/ is ignored): the workplace's device harness only.
 set -u

@@ -1,6 +1,6 @@
 #!/bin/bash
 # A record of session 18's device runs (BENCHMARKS.md, NVIDIA H200): run from the repo root with the
-# wheels and the cut backend (gpu-h200-session18-fatbin.py) in .whl/, carried to the machine.
+# wheels and the cut backend (now `python -m bench.gpu_carry`) in .whl/, carried to the machine.
 # Second device run: diagnosis of decode speed, bf16 precision, 4-bit JIT, then the GPU tests.
 set -u
 OUT=${OUT:-/tmp/out}
