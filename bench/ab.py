@@ -125,16 +125,16 @@ def compare(repo: Path, revisions: list[str], command: list[str], rounds: int,
                 load = os.getloadavg()
                 log(f"round {r + 1}/{rounds}, build {label}: load {load[0]:.2f}")
                 result = run_once(folder, command, label)
+                missing = [k for k in keys or () if k not in numbers(result)]
+                if missing:  # said at once, not after the last round
+                    raise ABError(f"no number at {', '.join(map(repr, missing))} in the result "
+                                  f"of build {label}: {sorted(numbers(result))}")  # fmt: skip
                 runs.append({"round": r, "build": label, "load": list(load), "result": result})
     found = [numbers(run["result"]) for run in runs]
     if keys is None:
         keys = sorted(set.intersection(*(set(f) for f in found)))
     figures = {}
     for key in keys:
-        missing = [f"round {run['round'] + 1} build {run['build']}"
-                   for run, f in zip(runs, found) if key not in f]  # fmt: skip
-        if missing:
-            raise ABError(f"no number at {key!r} in the result of {', '.join(missing)}")
         a = [f[key] for run, f in zip(runs, found) if run["build"] == "A"]
         b = [f[key] for run, f in zip(runs, found) if run["build"] == "B"]
         ratios = [y / x if x else None for x, y in zip(a, b)]

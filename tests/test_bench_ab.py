@@ -90,5 +90,6 @@ def test_failures_are_named(repo, tmp_path, capsys):
     assert ab.main(["--repo", str(repo), "--key", "step_ms.9", first, second, "--",
                     sys.executable, "figure.py", log]) == 1  # fmt: skip
     assert "no number at 'step_ms.9'" in capsys.readouterr().err
+    assert (tmp_path / "log").read_text().split() == ["20.0"]  # said after the first run
     assert ab.main([first, second]) == 2  # no command
     assert "after `--`" in capsys.readouterr().err
