@@ -119,18 +119,19 @@ def compare(repo: Path, revisions: list[str], command: list[str], rounds: int,
     """Run `command` from each revision's checkout in turn, `rounds` times; B/A per key."""
     labels = ["A", "B"]
     runs: list[dict] = []
+    found: list[dict[str, float]] = []  # each run's numbers, by dotted path
     with checkouts(repo, revisions) as folders:
         for r in range(rounds):
             for label, folder in zip(labels, folders, strict=True):
                 load = os.getloadavg()
                 log(f"round {r + 1}/{rounds}, build {label}: load {load[0]:.2f}")
                 result = run_once(folder, command, label)
-                missing = [k for k in keys or () if k not in numbers(result)]
+                found.append(numbers(result))
+                missing = [k for k in keys or () if k not in found[-1]]
                 if missing:  # said at once, not after the last round
                     raise ABError(f"no number at {', '.join(map(repr, missing))} in the result "
-                                  f"of build {label}: {sorted(numbers(result))}")  # fmt: skip
+                                  f"of build {label}: {sorted(found[-1])}")  # fmt: skip
                 runs.append({"round": r, "build": label, "load": list(load), "result": result})
-    found = [numbers(run["result"]) for run in runs]
     if keys is None:
         keys = sorted(set.intersection(*(set(f) for f in found)))
     figures = {}
