@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         exclude = subprocess.run(["git", "-C", str(repo), "rev-parse", "--git-path",
                                   "info/exclude"], capture_output=True, text=True,
                                  check=True).stdout.strip()  # fmt: skip
-        with open(repo / exclude, "a") as exclude:
-            exclude.write(f"/{args.dir}/\n")  # carried, never committed
+        with open(repo / exclude, "a") as lines:
+            lines.write(f"/{args.dir}/\n")  # carried, never committed
     download(folder, args.python)
     backend = cut_backend(next(folder.glob("mlx_cuda_13-*.whl")), folder, args.arch)
     write_run(folder, backend, args.check_args)
