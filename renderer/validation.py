@@ -105,7 +105,8 @@ def _err(reason: str, where: str, index: int, field: str | None = None) -> Rende
 
 
 def part_kind(part: Mapping) -> Any:
-    """What the template makes of a content part: "image", "video", "text", else its type."""
+    """What the template makes of a content part: "image", "video", "text" (a part with a
+    "text" key, whatever its type), else None (the template raises)."""
     kind = part.get("type")
     if "image" in part or "image_url" in part or kind == "image":
         return "image"
@@ -113,7 +114,7 @@ def part_kind(part: Mapping) -> Any:
         return "video"
     if "text" in part:
         return "text"
-    return kind
+    return None
 
 
 def _check_parts(content: Sequence, where: str, index: int, role: str) -> None:
@@ -128,9 +129,11 @@ def _check_parts(content: Sequence, where: str, index: int, role: str) -> None:
             if not isinstance(part["text"], str):
                 raise _err("text must be a string", where, index, field + ".text")
             continue
-        if kind not in ("image", "video"):
+        if kind is None and part.get("type") == "text":
+            raise _err("a text part needs its 'text' (a string)", where, index, field + ".text")
+        if kind is None:
             raise _err(
-                f"unknown content part type {kind!r} (expected text, image or video)",
+                f"unknown content part type {part.get('type')!r} (expected text, image or video)",
                 where,
                 index,
                 field,

@@ -31,6 +31,9 @@ T = {"role": "tool", "content": "result"}
             "unknown content part",
         ),
         ([{"role": "user", "content": ["x"]}], 0, "content[0]", "must be a dict"),
+        # The template reads a part as text only when it has "text" (it raises otherwise).
+        ([{"role": "user", "content": [{"type": "text"}]}], 0, "content[0].text", "needs its"),
+        ([{"role": "system", "content": [{"type": "text"}]}, U], 0, "content[0].text", "needs"),
         (
             [{"role": "user", "content": [{"type": "text", "text": 3}]}],
             0,

@@ -305,6 +305,8 @@ def two_calls() -> dict:
         ([*call_turn(), result(), {"role": "assistant", "content": "ok"},
           {"role": "user", "content": [{"image_url": {"url": "x"}}]}],
          "messages[4].content[0]", "image"),
+        ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text",
+         "needs its 'text'"),
     ],
 )  # fmt: skip
 def test_tool_results_and_content_parts_are_checked(server, messages, param, words):
