@@ -49,7 +49,7 @@ def thinking_budget(
         n = max_thinking_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"max_thinking_tokens must be an integer >= 0, got {n!r}")
-        return n
+        return min(n, 2**31 - 1)  # counted in int32; no answer is that long
     if reasoning_effort is None:
         return None
     if reasoning_effort not in EFFORT_BUDGETS:

@@ -127,6 +127,39 @@ def test_every_seed_mlx_takes_is_accepted(seed):
     assert 0 <= int(sampler(mx.zeros(8), [])) < 8
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"temperature": 1e-38}, {"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-40},
+     {"temperature": 1.0, "min_p": 0.99999999}],
+    ids=["temperature-1e-38", "temperature-1e-300", "top_p-1e-40", "min_p-0.99999999"],
+)  # fmt: skip
+def test_valid_extremes_keep_only_the_top_token(tiny, options):
+    """Values the checks accept but float32 cannot hold (a temperature that overflows the
+    division, a top_p that rounds to 0 (subnormal: the model thread flushes those), a min_p
+    that rounds to 1) draw what their definitions say in float64: only the most likely token
+    survives. Picked on an engine's model thread, as turns and the server pick."""
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal(4096).astype(np.float32) * 4
+    if "temperature" in options and options["temperature"] < 1e-5:
+        assert SamplingParams(**options).temperature == 0  # greedy, as vLLM's epsilon
+    else:
+        kept = cuts_reference(logits, options["temperature"], 0, options.get("min_p", 0.0),
+                              options.get("top_p", 1.0))  # fmt: skip
+        assert np.isfinite(kept).sum() == 1
+    for seed in range(5):
+        params = SamplingParams(**options, seed=seed)
+        pick = tiny.worker.call(lambda p=params: int(Sampler(p)(mx.array(logits), [])))
+        assert pick == int(np.argmax(logits))
+
+
+def test_a_top_k_past_int32_keeps_the_whole_vocabulary():
+    logits = mx.array(np.random.default_rng(6).standard_normal(2000).astype(np.float32))
+    for seed in range(5):
+        picks = [Sampler(SamplingParams(temperature=1.0, top_k=k, seed=seed))(logits, [])
+                 for k in (2**31, 10**30, 2000)]  # fmt: skip
+        assert int(picks[0]) == int(picks[1]) == int(picks[2])  # k >= V: no cut
+
+
 def cuts_reference(logits, temperature, top_k, min_p, top_p) -> np.ndarray:
     """The kept logits of a sampled pick, from the definitions in float64: `logits /
     temperature`; top-k keeps every value >= the k-th largest (ties at the k-th stay); min-p

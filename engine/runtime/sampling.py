@@ -32,11 +32,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from kernels.choice import device_kind
 from kernels.sampling import logprobs, sample, sample_excluding, sample_rows
 
 MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
+# A temperature below this picks greedily (as vLLM's _SAMPLING_EPS): dividing float32 logits
+# by less overflows to inf, and the draw is the argmax's anyway.
+GREEDY_BELOW = 1e-5
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+_FLOAT32_BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))
 
 
 def _is_number(x: object) -> bool:
@@ -98,6 +104,16 @@ class SamplingParams:
             problems.append(f"seed must be an integer from 0 to 2**64-1, got {s!r}")
         if problems:
             raise ValueError("; ".join(problems))
+        # Valid values that the float32/int32 samplers would take differently, taken as the
+        # nearest ones that draw the same: a temperature too small to divide by is greedy; a
+        # top_p below float32's range keeps the top token, as does a min_p that rounds to 1;
+        # a top_k past int32 keeps all (it exceeds any vocabulary).
+        if 0 < t < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+        object.__setattr__(self, "top_p", max(self.top_p, _FLOAT32_TINY))
+        object.__setattr__(self, "min_p", min(self.min_p, _FLOAT32_BELOW_ONE))
+        if self.top_k >= 2**31:
+            object.__setattr__(self, "top_k", 0)
 
 
 @dataclass
