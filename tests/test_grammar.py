@@ -95,10 +95,15 @@ def test_the_constraint_waits_for_the_think_block_to_close(tiny):
     import mlx.core as mx
 
     logits = mx.zeros((tiny.model.arch.vocab_size,))
-    free = processor(logits, [])
-    assert bool(mx.all(free == 0))  # thinking: nothing masked
-    processor.accept(tiny.tokenizer.encode("some reasoning"))
-    assert bool(mx.all(processor(logits, []) == 0))
+    stops = sorted(tiny.stop_ids)
+    for _ in range(2):  # thinking: only the stop tokens are masked (the answer must come)
+        free = processor(logits, []).tolist()
+        assert [i for i, v in enumerate(free) if v != 0] == stops
+        assert all(free[i] == -float("inf") for i in stops)
+        processor.accept(tiny.tokenizer.encode("some reasoning"))
+    reasoning = tiny.tokenizer.encode("more")
+    assert processor.allows([*reasoning, stops[0], think_end]) == len(reasoning)
+    assert processor.allows([*reasoning, think_end]) == len(reasoning) + 1
     processor.accept([think_end])
     masked = processor(logits, [])
     allowed = [i for i, v in enumerate(masked.tolist()) if v == 0]

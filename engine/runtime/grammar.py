@@ -239,7 +239,9 @@ def tool_call_spec(tools: list[dict], open_id: int, close_id: int) -> dict:
 
 
 class GrammarProcessor(LogitsProcessor):
-    """Masks every token that cannot continue an answer matching `spec`."""
+    """Masks every token that cannot continue an answer matching `spec`. With `start_after`
+    (`</think>`), the reasoning before it is free but cannot end the answer: the stop tokens
+    stay masked until the constrained part has begun."""
 
     reads_history = True  # the matcher advances by the tokens read on the host
     speculates = True  # drafts go through the matcher and are rolled back (`draft`, `restore`)
@@ -256,7 +258,9 @@ class GrammarProcessor(LogitsProcessor):
 
     def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
         if not self.active:
-            return logits
+            vocab = mx.arange(logits.shape[-1])
+            stop = mx.any(vocab[:, None] == mx.array(sorted(self.stops))[None, :], axis=-1)
+            return mx.where(stop, -mx.inf, logits)
         if self.overlap:  # the model computes this step while the host computes its mask
             mx.async_eval(logits)
         bits = np.zeros(self._words, dtype=np.int32)
@@ -276,8 +280,10 @@ class GrammarProcessor(LogitsProcessor):
         """How many leading `tokens` the grammar could pick in turn (the matcher checks them
         without moving): a speculative draft is cut there."""
         free = 0
-        if not self.active:  # free reasoning, up to and including `</think>`
+        if not self.active:  # free reasoning but no stop, up to and including `</think>`
             while free < len(tokens) and tokens[free] != self.start_after:
+                if tokens[free] in self.stops:
+                    return free
                 free += 1
             if free == len(tokens):
                 return free
