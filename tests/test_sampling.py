@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from engine.runtime.generate import prefill
-from engine.runtime.sampling import RepetitionPenalty, Sampler, SamplingParams, draw, pick_rows
+from engine.runtime.sampling import (
+    RepetitionPenalty,
+    Sampler,
+    SamplingParams,
+    draw,
+    pick_rows,
+    token_logprobs,
+)
 
 
 def reference(logits, prompt, generated, *, presence=0.0, frequency=0.0, repetition=1.0,
@@ -388,6 +395,29 @@ def test_recorded_logprobs_agree_on_both_paths(monkeypatch):
         assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-5
         assert [i for i, _ in a.top] == [i for i, _ in b.top]
         assert np.allclose([v for _, v in a.top], [v for _, v in b.top], atol=1e-5)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "mlx-ops"])
+@pytest.mark.parametrize("k", [0, 1, 7])
+def test_token_logprobs_of_rows_match_float64(monkeypatch, native, k):
+    """Rows `[T, V]` (a scored prompt): each row's log_softmax at its token and its k largest,
+    through the native pass and through MLX's ops, against numpy in float64."""
+    import kernels.sampling
+
+    if not native:
+        monkeypatch.setattr(kernels.sampling, "_module", lambda logits: None)
+    rng = np.random.default_rng(k)
+    logits = (rng.standard_normal((6, 3000)) * 3).astype(np.float32)
+    tokens = rng.integers(0, 3000, 6)
+    chosen, ids, values = token_logprobs(mx.array(logits), mx.array(tokens), k)
+    x = logits.astype(np.float64)
+    lp = x - x.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.array(chosen), lp[np.arange(6), tokens], atol=1e-5)
+    assert ids.shape == values.shape == (6, k)
+    for row in range(6):
+        assert sorted(np.array(ids[row]).tolist()) == sorted(np.argsort(-lp[row])[:k].tolist())
+        np.testing.assert_allclose(np.array(values[row]), lp[row, np.array(ids[row])], atol=1e-5)
 
 
 @pytest.mark.parametrize("top_k, min_p, top_p", CUTS)

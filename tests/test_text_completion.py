@@ -15,6 +15,9 @@ import pytest
 from helpers import SERVER_WINDOW, fresh_greedy
 from helpers import openai_client as client
 
+from engine.runtime.batch import WAIT
+from engine.serving.text_completion import LOGPROB_CHUNK, prompt_logprobs
+
 WINDOW = SERVER_WINDOW
 GREEDY = {"temperature": 0, "presence_penalty": 0}
 
@@ -88,6 +91,62 @@ def test_echo_prompt_logprobs_equal_a_fresh_forward_pass(tiny, server):
     assert got.text_offset == [len(tiny.tokenizer.decode(ids[:t])) for t in range(len(ids))]
 
 
+def _log_softmax(tiny, ids) -> np.ndarray:
+    """float64 log-softmax of one forward pass over `ids` on fresh caches."""
+    with tiny.lock:
+        logits = tiny.model(mx.array([ids]), tiny.model.make_caches())[0]
+        logits = np.array(logits.astype(mx.float32), dtype=np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def test_scoring_runs_in_chunks_that_yield_and_equal_one_pass(tiny):
+    """A long prompt is scored chunk by chunk, yielding WAIT between chunks (the other
+    requests' rows step there, and a cancelled job stops there), with the values of one
+    forward pass over the whole prompt."""
+    ids = [int(i) for i in np.random.default_rng(3).integers(100, 5000, 2 * LOGPROB_CHUNK + 45)]
+    gen = prompt_logprobs(tiny, ids, 4)
+    waits = 0
+    while True:
+        try:
+            item = tiny.worker.call(next, gen)
+        except StopIteration as stop:
+            scored = stop.value
+            break
+        assert item is WAIT
+        waits += 1
+    assert waits == 2  # three chunks
+    lp = _log_softmax(tiny, ids)
+    np.testing.assert_allclose([v for v, _ in scored],
+                               [lp[t - 1, ids[t]] for t in range(1, len(ids))], atol=1e-4)  # fmt: skip
+    for t, (_, top) in enumerate(scored, start=1):
+        assert [i for i, _ in top] == list(np.argsort(-lp[t - 1], kind="stable")[:4])
+        np.testing.assert_allclose([v for _, v in top], np.sort(lp[t - 1])[::-1][:4], atol=1e-4)
+
+
+def test_the_same_prompt_again_reuses_all_but_its_last_token(tiny, server):
+    c = client(server)
+    ids = [int(i) for i in np.random.default_rng(4).integers(100, 5000, 40)]
+    first = complete(c, ids)
+    again = complete(c, ids)
+    assert again.usage.prompt_tokens_details.cached_tokens == len(ids) - 1
+    expected, _ = fresh_greedy(tiny, ids, 5)
+    assert first.choices[0].text == again.choices[0].text == tiny.tokenizer.decode(expected)
+
+
+def test_a_string_prompt_that_cannot_fit_is_refused_before_tokenizing(tiny, server, monkeypatch):
+    calls = []
+    encode = tiny.tokenizer.encode
+    monkeypatch.setattr(
+        tiny.tokenizer, "encode", lambda *a, **k: calls.append(1) or encode(*a, **k)
+    )
+    huge = "word " * (WINDOW * 60)  # more bytes than WINDOW tokens can hold
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": huge},
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "at least" in r.json()["error"]["message"] and not calls
+
+
 def test_generated_logprobs_equal_a_teacher_forced_forward_pass(tiny, server):
     c = client(server)
     prompt = "Counting: one, two,"
@@ -147,6 +206,8 @@ def test_streamed_logprobs_concatenate_to_the_whole_answers(tiny, server, kw):
         ({"prompt": "hi", "suffix": "x"}, "suffix"),
         ({"prompt": "hi", "max_tokens": WINDOW}, "max_tokens"),
         ({"prompt": "hi", "temperature": 5}, "temperature"),
+        ({"prompt": "hi", "max_tokens": False, "echo": True}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 0.0, "echo": True}, "max_tokens"),
     ],
 )
 def test_bad_requests_name_the_field(server, body, param):

@@ -116,6 +116,23 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
 
 
+def token_logprobs(logits: mx.array, tokens: mx.array, k: int
+                   ) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
+    """log_softmax of float32 `logits` `[..., V]` at `tokens` `[...]`, and the `k` most likely
+    ids `[..., k]` with their values (in no set order): on the CPU one native pass, else MLX's
+    ops (a partition, linear in V)."""
+    entry = logprobs(logits, tokens, k)
+    if entry is not None:
+        return entry
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, tokens[..., None].astype(mx.int32), axis=-1)[..., 0]
+    if not k:
+        top = mx.zeros((*lp.shape[:-1], 0), dtype=mx.uint32)
+        return chosen, top, lp[..., :0]
+    top = mx.argpartition(-lp, k - 1, axis=-1)[..., :k]
+    return chosen, top, mx.take_along_axis(lp, top, axis=-1)
+
+
 @dataclass
 class TokenLogprob:
     """One generated token's log-probability under the model, and the `top` most likely
@@ -352,12 +369,7 @@ class Sampler:
         """Queue the model's logprob of `token` and the top alternatives (with the pick's
         own evaluation, so reading them later does not wait on the next step)."""
         raw = logits.astype(mx.float32)
-        k = min(self.top_logprobs, raw.shape[-1])
-        entry = logprobs(raw, token, k)  # on the CPU one native pass
-        if entry is None:
-            lp = raw - mx.logsumexp(raw)
-            top = mx.argpartition(-lp, k - 1)[:k] if k else mx.zeros((0,), dtype=mx.uint32)
-            entry = (lp[token], top, lp[top])
+        entry = token_logprobs(raw, token, min(self.top_logprobs, raw.shape[-1]))
         mx.async_eval(*entry)
         self._pending.append(entry)
 

@@ -28,8 +28,9 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
+from functools import partial
 
 import anyio
 import uvicorn
@@ -470,8 +471,10 @@ class ServerApp:
         tokenizer = self.engine.tokenizer
 
         def prepare(raw: bytes):
-            return text_completion.translate(decode_body(raw), tokenizer, self.window,
-                                             self.sampling)  # fmt: skip
+            return text_completion.translate(
+                decode_body(raw), tokenizer, self.window, self.sampling,
+                max_token_bytes=self.renderer.max_token_bytes,
+            )  # fmt: skip
 
         running, scored = None, None
         try:
@@ -484,11 +487,7 @@ class ServerApp:
                 # No warm-up: it re-renders chat messages, and a raw prompt has none.
                 running = await self._start(request, prepared, warm=False)
             elif asked.logprobs is not None:
-                self._check_queue()
-                scored = await anyio.to_thread.run_sync(
-                    self.engine.worker.call, text_completion.prompt_logprobs, self.engine,
-                    asked.prompt.ids, asked.logprobs,
-                )  # fmt: skip
+                scored = await self._score(request, asked.prompt.ids, asked.logprobs)
         except ApiError as e:
             return _error(e)
         ident, model = f"cmpl-{uuid.uuid4().hex}", self.config.model
@@ -519,6 +518,32 @@ class ServerApp:
         return JSONResponse(text_completion.completion(
             ident, int(time.time()), model, echo + text, turn.finish_reason, usage, logprobs
         ))  # fmt: skip
+
+    async def _score(self, request: Request, ids: list[int], top: int) -> list:
+        """The prompt's logprobs (`text_completion.prompt_logprobs`), computed on the model
+        thread in chunks between the other requests' steps; cancelled if the client leaves."""
+        self._check_queue()
+        loop, ended = asyncio.get_running_loop(), asyncio.Queue()
+
+        def end(kind: str, value) -> None:  # called on the engine's model thread
+            with suppress(RuntimeError):  # the loop is gone (shutdown): nobody listens
+                loop.call_soon_threadsafe(ended.put_nowait, (kind, value))
+
+        make = partial(text_completion.prompt_logprobs, self.engine, ids, top)
+        job = self.engine.worker.spawn(make, lambda item: None, end)
+        self.jobs = {j for j in self.jobs if not j.done.is_set()} | {job}
+        watcher = asyncio.ensure_future(_watch_disconnect(request, job))
+        try:
+            kind, value = await ended.get()
+        finally:
+            job.cancel()  # no-op once done; stops the work if this handler is torn down
+            watcher.cancel()
+        if kind == "raise":
+            raise value
+        if kind == "cancelled":
+            raise ApiError(503, "the request was cancelled (the server is stopping)",
+                           type="server_error", code="cancelled")  # fmt: skip
+        return value
 
 
 class Running:

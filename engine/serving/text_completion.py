@@ -5,7 +5,8 @@ are routed through the same pool as chat prompts, so a prompt that extends an ea
 (few-shot evaluation, a document growing call by call) restores the longest cached prefix.
 Special tokens written in a string prompt are control tokens (raw mode: the caller formats).
 `logprobs` with `echo` and `max_tokens: 0` scores the prompt: one forward pass over it, the
-log-softmax at each position read at the next token (what evaluation harnesses ask for).
+log-softmax at each position read at the next token (what evaluation harnesses ask for), in
+chunks that take turns with the other requests' decode steps, stopping if the client leaves.
 Without echo, `logprobs` reports the generated tokens' (streamed: each chunk carries those of
 the tokens it covers).
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +24,10 @@ import mlx.core as mx
 from renderer import Prompt
 from renderer.window import Boundaries
 
-from ..checkpoints.tokenizer import StreamDecoder
+from ..checkpoints.tokenizer import StreamDecoder, encode_in_pieces
+from ..runtime.batch import WAIT
 from ..runtime.generate import eval_caches
+from ..runtime.sampling import token_logprobs
 from ..turn import Turn
 from .completion import ApiError, ChatRequest, output_budget
 from .translation import Origins, bad, chat_request, sampling_fields
@@ -46,7 +49,13 @@ class CompletionRequest:
         return self.chat.max_tokens or 0
 
 
-def _prompt_ids(value: Any, tokenizer, vocab: int) -> tuple[list[int], str]:
+def _too_long(window: int, tokens: int, at_least: str = "") -> ApiError:
+    return bad(f"This model's maximum context length is {window} tokens, but the prompt takes "
+               f"{at_least}{tokens} tokens.", "prompt", "context_length_exceeded")  # fmt: skip
+
+
+def _prompt_ids(value: Any, tokenizer, vocab: int, window: int, max_token_bytes: int | None
+                ) -> tuple[list[int], str]:  # fmt: skip
     if isinstance(value, list) and value and isinstance(value[0], (str, list)):
         if len(value) > 1:
             raise bad("'prompt' takes one prompt per request", "prompt", "unsupported_value")
@@ -54,7 +63,13 @@ def _prompt_ids(value: Any, tokenizer, vocab: int) -> tuple[list[int], str]:
     if isinstance(value, str):
         if not value:
             raise bad("'prompt' must not be empty", "prompt")
-        return tokenizer.encode(value), value
+        # Refused before tokenizing when its bytes cannot fit (no token spans more than
+        # `max_token_bytes`); else tokenized a piece at a time, as chat messages are, so a
+        # huge prompt does not hold the GIL from the other requests for seconds.
+        size = len(value.encode("utf-8", "surrogatepass"))
+        if max_token_bytes and size > window * max_token_bytes:
+            raise _too_long(window, size // max_token_bytes, "at least ")
+        return encode_in_pieces(tokenizer.encode, value), value
     if not isinstance(value, list) or not value:
         raise bad("'prompt' must be a string or a non-empty list of token ids (one prompt per "
                   "request)", "prompt", "invalid_type")  # fmt: skip
@@ -68,9 +83,10 @@ def _prompt_ids(value: Any, tokenizer, vocab: int) -> tuple[list[int], str]:
     return list(value), tokenizer.decode(list(value))
 
 
-def translate(body: Any, tokenizer, window: int, defaults: Mapping | None = None
-              ) -> CompletionRequest:  # fmt: skip
-    """A completions request, checked; ApiError(400) naming the field."""
+def translate(body: Any, tokenizer, window: int, defaults: Mapping | None = None, *,
+              max_token_bytes: int | None = None) -> CompletionRequest:  # fmt: skip
+    """A completions request, checked; ApiError(400) naming the field. `max_token_bytes`
+    (`Renderer.max_token_bytes`) lets a string prompt that cannot fit be refused untokenized."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", None, "invalid_type")
     if body.get("suffix") is not None:
@@ -85,7 +101,9 @@ def translate(body: Any, tokenizer, window: int, defaults: Mapping | None = None
                                  or not 0 <= logprobs <= MAX_LOGPROBS):  # fmt: skip
         raise bad(f"'logprobs' must be an integer from 0 to {MAX_LOGPROBS}", "logprobs")
     max_tokens = body.get("max_tokens")
-    if max_tokens == 0 and not isinstance(max_tokens, bool) and not echo:
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
+        raise bad("'max_tokens' must be an integer", "max_tokens", "invalid_type")
+    if max_tokens == 0 and not echo:
         raise bad("'max_tokens' may be 0 only with echo (to score the prompt)", "max_tokens")
     if logprobs is not None and echo and max_tokens != 0:
         raise bad("'logprobs' with echo scores the prompt alone: set max_tokens to 0, or ask "
@@ -101,13 +119,15 @@ def translate(body: Any, tokenizer, window: int, defaults: Mapping | None = None
             chat["logprobs"], chat["top_logprobs"] = True, logprobs
     request = chat_request(chat, defaults, origins)
     vocab = tokenizer.backend.get_vocab_size(with_added_tokens=True)
-    ids, text = _prompt_ids(body.get("prompt"), tokenizer, vocab)
-    prompt = Prompt(text, ids, [], 0, Boundaries(0, [], [], None))
+    ids, text = _prompt_ids(body.get("prompt"), tokenizer, vocab, window, max_token_bytes)
+    # One snapshot before the last token: the same prompt sent again (another sample, a retry)
+    # resumes there; a prompt that extends it resumes after the answer as well.
+    last = len(ids) - 1 if len(ids) > 1 else None
+    prompt = Prompt(text, ids, [], 0, Boundaries(0, [], [], last))
     if max_tokens == 0:
         request.max_tokens = 0
         if len(ids) > window:
-            raise bad(f"This model's maximum context length is {window} tokens, but the prompt "
-                      f"takes {len(ids)} tokens.", "prompt", "context_length_exceeded")  # fmt: skip
+            raise _too_long(window, len(ids))
     else:
         try:
             request.max_tokens = output_budget(request, len(ids), window, DEFAULT_MAX_TOKENS)
@@ -119,32 +139,30 @@ def translate(body: Any, tokenizer, window: int, defaults: Mapping | None = None
 # ----- on the model thread ------------------------------------------------------------------
 
 
-def prompt_logprobs(
-    engine, ids: list[int], top: int
-) -> list[tuple[float, list[tuple[int, float]]]]:
+Scored = list[tuple[float, list[tuple[int, float]]]]
+
+
+def prompt_logprobs(engine, ids: list[int], top: int) -> Generator[object, None, Scored]:
     """For each position after the first: (log p(ids[t] | ids[:t]), the `top` most likely ids
-    there with their log p), from one forward pass on fresh caches (no reuse: cached prefixes
-    keep no per-position logits). Runs on the model thread."""
-    out: list[tuple[float, list[tuple[int, float]]]] = []
-    with engine.lock:
-        caches = engine.model.make_caches()
-        for start in range(0, len(ids) - 1, LOGPROB_CHUNK):
+    there with their log p, most likely first), from one forward pass on fresh caches (no
+    reuse: cached prefixes keep no per-position logits).
+
+    A generator for the model thread (`ModelThread.spawn`): it yields `WAIT` between chunks of
+    `LOGPROB_CHUNK` positions, so the other requests' rows step between them and a cancelled
+    job (the client left) stops there; it returns the list."""
+    out: Scored = []
+    caches = engine.model.make_caches()
+    for start in range(0, len(ids) - 1, LOGPROB_CHUNK):
+        if start:
+            yield WAIT
+        with engine.lock:
             piece = ids[start : start + LOGPROB_CHUNK]
             targets = mx.array(ids[start + 1 : start + 1 + len(piece)])
             logits = engine.model(mx.array([piece]), caches)[0, : targets.size]  # [T, V]
-            logits = logits.astype(mx.float32)
-            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            chosen = mx.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
-            if top:
-                best = mx.argsort(-lp, axis=-1)[:, :top]
-                best_lp = mx.take_along_axis(lp, best, axis=-1)
-                mx.eval(chosen, best, best_lp)
-                tops = [list(zip(b, v)) for b, v in zip(best.tolist(), best_lp.tolist())]
-            else:
-                mx.eval(chosen)
-                tops = [[] for _ in range(targets.size)]
-            out += list(zip(chosen.tolist(), tops))
-        eval_caches(caches)  # nothing lazy outlives the call (see CachedSequence.generate)
+            chosen, best, best_lp = token_logprobs(logits.astype(mx.float32), targets, top)
+            eval_caches(caches, chosen, best, best_lp)  # nothing lazy waits across a turn
+            for lp, alternatives in zip(chosen.tolist(), zip(best.tolist(), best_lp.tolist())):
+                out.append((lp, sorted(zip(*alternatives), key=lambda pair: -pair[1])))
     return out
 
 
