@@ -101,6 +101,23 @@ def test_multi_turn_reuses_like_chat(tiny, server):
         previous = prompt
 
 
+def test_consecutive_user_turns_are_one_turn(tiny, server):
+    """As Anthropic combines them: the texts joined by a newline, as blocks of one message."""
+    m = ask(client(server), [{"role": "user", "content": "Hello."},
+                             {"role": "user", "content": [{"type": "text", "text": "Foxes?"}]}])  # fmt: skip
+    one = [{"role": "user", "content": "Hello.\nFoxes?"}]
+    assert text(m) == fresh_answer(tiny, one, MAX_TOKENS)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(prompt_of(tiny, one).ids)
+
+
+def test_a_prefilled_answer_is_refused_naming_it(server):
+    body = {"model": "tiny", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]}  # fmt: skip
+    r = httpx.post(server.url + "/v1/messages", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert "messages[1]" in r.json()["error"]["message"] and "prefill" in r.text
+
+
 def test_tool_round_trip_renders_as_chat(tiny, server):
     c = client(server)
     conversation = [

@@ -82,6 +82,19 @@ def _user(blocks: list[dict], param: str, out: list[dict], origins: Origins) -> 
         origins.messages.append(param)
 
 
+def _join_user_turns(messages: list[dict], origins: Origins) -> None:
+    """Consecutive user messages become one, as Anthropic combines consecutive turns of a role
+    (their texts joined by newlines, as the text blocks of one message are)."""
+    i = 1
+    while i < len(messages):
+        a, b = messages[i - 1], messages[i]
+        if a["role"] == b["role"] == "user":
+            a["content"] = f"{a['content']}\n{b['content']}"
+            del messages[i], origins.messages[i]
+        else:
+            i += 1
+
+
 def _assistant(blocks: list[dict], param: str) -> dict:
     texts, thinking, calls = [], [], []
     for i, block in enumerate(blocks):
@@ -200,6 +213,11 @@ def translate(body: Any, defaults: Mapping | None = None) -> MessagesRequest:
         else:
             messages.append(_assistant(blocks, f"{where}.content"))
             origins.messages.append(where)
+    if given[-1]["role"] == "assistant":
+        last = f"messages[{len(given) - 1}]"
+        raise bad(f"'{last}': the last message must be the user's (a final assistant message, "
+                  "to prefill the answer, is not supported)", f"{last}.role", "unsupported")  # fmt: skip
+    _join_user_turns(messages, origins)
     chat: dict = {"messages": messages, "max_tokens": max_tokens, **sampling_fields(body)}
     if body.get("tools"):
         chat["tools"] = _tools(body["tools"])
