@@ -7,6 +7,10 @@ no cache, no snapshots and no server (`fresh_answer`).
 from __future__ import annotations
 
 import json
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -271,6 +275,112 @@ def test_disconnect_mid_stream_stops_generation(tiny, server):
     r = ask(client(server), messages)
     assert r.usage.prompt_tokens_details.cached_tokens > 0
     assert r.choices[0].message.content == fresh_answer(tiny, messages)
+
+
+# ----- stopping -----------------------------------------------------------------------------
+
+LONG_STREAM = {"model": "tiny", "messages": [{"role": "user", "content": "Talk for a long time."}],
+               "max_tokens": WINDOW - 64, "temperature": 0, "presence_penalty": 0, "stream": True}  # fmt: skip
+
+
+def send_partial_body(url: str) -> socket.socket:
+    """A client that sends its headers and 5 of the 100 body bytes it announces, then waits."""
+    address = url.removeprefix("http://")
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {address}\r\nContent-Type: "
+                 "application/json\r\nContent-Length: 100\r\n\r\n{\"mes".encode())  # fmt: skip
+    return sock
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict]:
+    """(status, JSON body) of the one response on `sock`, read until the server closes it."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head, "the server closed the connection without a response"
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_a_body_that_does_not_arrive_in_time_is_a_408(tiny):
+    config = ServerConfig(port=0, context_window=WINDOW, warm=False, prepare_grammar=False,
+                          body_timeout=0.5)  # fmt: skip
+    with BackgroundServer(tiny, config) as srv:
+        with send_partial_body(srv.url) as sock:
+            status, body = read_response(sock)  # and the connection is closed
+        assert status == 408 and body["error"]["code"] == "request_timeout"
+        assert "did not arrive within 0.5 s" in body["error"]["message"]
+        assert ask(client(srv), [{"role": "user", "content": "hi"}]).choices  # it serves on
+
+
+def stream_until_stopped(url: str, stop) -> list[str]:
+    """The lines of a long stream after its first content: `stop()` is called there."""
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", url + "/v1/chat/completions", json=LONG_STREAM) as r:
+            lines = (line for line in r.iter_lines() if line)
+            assert '"role"' in next(lines)
+            assert '"content"' in next(lines)  # a token: the generation runs
+            stop()
+            return list(lines)
+
+
+def assert_stopped_by_shutdown(rest: list[str]) -> None:
+    """The stream ended at once: an error event naming the shutdown, then [DONE]."""
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == "shutting_down"
+
+
+def test_a_stop_cancels_running_requests_at_once(tiny):
+    """A stop (what SIGTERM does: uvicorn's should_exit) while a long stream runs and another
+    client has sent half its body: the stream ends with an error event and its job is
+    cancelled, the half-sent body gets a 503, and the server stops. Before, the stream ran on
+    and the body kept the connection open, until uvicorn's graceful timeout cut both."""
+    config = ServerConfig(port=0, context_window=WINDOW, warm=False, prepare_grammar=False)
+    srv = BackgroundServer(tiny, config).start()
+    stopper = threading.Thread(target=srv.stop)
+    try:
+        with send_partial_body(srv.url) as sock:
+            deadline = time.monotonic() + 30
+            while not srv.app.reading and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert srv.app.reading  # the server waits for the rest of that body
+            rest = stream_until_stopped(srv.url, stopper.start)
+            status, body = read_response(sock)
+    finally:
+        if stopper.ident is None:
+            stopper.start()
+        stopper.join(60)
+    assert_stopped_by_shutdown(rest)
+    assert status == 503 and body["error"]["code"] == "shutting_down"
+    assert srv.app.jobs and all(j.cancelled.is_set() and j.done.is_set() for j in srv.app.jobs)
+    assert not srv._thread.is_alive()
+
+
+def test_sigterm_cancels_requests_and_exits(tiny, tmp_path):
+    """`chatml serve` gets SIGTERM while it streams and while a client holds a half-sent
+    body: the stream ends with an error event, the body gets a 503, the server exits 0."""
+    log = tmp_path / "server.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "serve", "--model", "tiny", "--port", "0",
+         "--no-disk-cache", "--no-warm"],
+        stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
+    )  # fmt: skip
+    watchdog = threading.Timer(300, proc.kill)  # a hung server fails the test, not the run
+    watchdog.start()
+    try:
+        url = proc.stdout.readline().split(" on ", 1)[1].strip().removesuffix("/v1")
+        with send_partial_body(url) as sock:
+            rest = stream_until_stopped(url, lambda: proc.send_signal(signal.SIGTERM))
+            status, body = read_response(sock)
+        assert proc.wait(60) == 0, log.read_text()  # before, the half-sent body held it
+        assert "chatml serve: stopped by SIGTERM" in proc.stdout.read()
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait()
+    assert_stopped_by_shutdown(rest)
+    assert status == 503 and body["error"]["code"] == "shutting_down"
 
 
 # ----- errors -------------------------------------------------------------------------------

@@ -55,6 +55,9 @@ log = logging.getLogger("chatml.server")
 
 MAX_BODY_BYTES = 4 << 20
 MAX_QUEUED = 64  # jobs waiting for the model; beyond that, 503 (clients retry)
+BODY_TIMEOUT_S = 60.0  # a request's body must have arrived this long after it began (or 408)
+GRACEFUL_SHUTDOWN_S = 10  # once a stop began, connections still open this long are closed
+STOP_POLL_S = 0.1  # how often the app looks whether its server's stop began (as uvicorn does)
 API_KEY_ENV = "CHATML_API_KEY"
 
 
@@ -112,18 +115,29 @@ class ServerConfig:
     # Build llguidance's view of the tokenizer at start-up, in the background (seconds, once
     # per process), so that the first constrained request does not wait for it.
     prepare_grammar: bool = True
+    body_timeout: float = BODY_TIMEOUT_S  # seconds for a request's body to arrive (then 408)
 
 
 # ----- HTTP ---------------------------------------------------------------------------------
 
 
 def _error(e: ApiError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else _close(e)
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 def _anthropic_error(e: ApiError) -> JSONResponse:
-    return JSONResponse(messages.error_body(e), status_code=e.status)
+    return JSONResponse(messages.error_body(e), status_code=e.status, headers=_close(e))
+
+
+def _close(e: ApiError) -> dict | None:
+    # After a 408 the rest of the body may never come: the connection cannot serve another
+    # request, so it is closed rather than left waiting for it.
+    return {"Connection": "close"} if e.status == 408 else None
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
 
 
 class BearerAuth:
@@ -149,19 +163,6 @@ class BearerAuth:
         return await self.app(scope, receive, send)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit:
-        raise ApiError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
-    body, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:  # chunked bodies have no Content-Length: count as they come
-            raise ApiError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
-        body.append(chunk)
-    return b"".join(body)
-
-
 async def _watch_disconnect(request: Request, job: Job) -> None:
     """Cancel `job` when the client goes away (the body has been read: only that can come)."""
     while True:
@@ -184,6 +185,9 @@ class ServerApp:
         )
         self.worker = engine.stateless  # runs every request on the engine's model thread
         self.jobs: set[Job] = set()  # this server's requests not yet finished
+        self.reading: set[anyio.CancelScope] = set()  # request bodies still arriving
+        self.stopping = False  # the server's stop began: requests cancelled, new ones refused
+        self._server: uvicorn.Server | None = None  # whose stop `watch` waits for
         self.kept = responses.ResponseStore(config.responses_kept)  # previous_response_id
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -203,6 +207,12 @@ class ServerApp:
     async def __call__(self, scope, receive, send) -> None:
         await self.asgi(scope, receive, send)
 
+    def watch(self, server: uvicorn.Server) -> None:
+        """Stop this app's requests as soon as `server`'s stop begins (a signal, or
+        BackgroundServer.stop), not only once uvicorn has waited for every connection to
+        close: a long stream would run on to its end, a half-sent body hold the stop forever."""
+        self._server = server
+
     @asynccontextmanager
     async def _lifespan(self, app) -> AsyncIterator[None]:
         pool = self.worker.pool
@@ -211,9 +221,13 @@ class ServerApp:
             grammar.prepare(self.engine)
         if self.config.warm_prompts:
             await anyio.to_thread.run_sync(self._warm_prompts)
+        watcher = asyncio.ensure_future(self._watch_stop()) if self._server else None
         try:
             yield
         finally:
+            if watcher is not None:
+                watcher.cancel()
+            self.stop()
             await anyio.to_thread.run_sync(self._cancel_jobs)
             # The next server on the same cache folder resumes these conversations.
             await anyio.to_thread.run_sync(self.engine.save_pool)
@@ -236,12 +250,54 @@ class ServerApp:
             self.engine.worker.call(fill)
             log.info("warm prompt %d: %d tokens prefilled", i, len(prompt.ids))
 
+    async def _watch_stop(self) -> None:
+        while not self._server.should_exit:
+            await asyncio.sleep(STOP_POLL_S)
+        self.stop()
+
+    def stop(self) -> None:
+        """The server's stop began (called on the event loop): this server's requests stop at
+        their next token (the engine goes on), bodies still arriving and new requests get a
+        503, so that uvicorn's wait for the connections to close is short."""
+        self.stopping = True
+        for scope in list(self.reading):
+            scope.cancel()
+        for job in list(self.jobs):
+            job.cancel()
+
     def _cancel_jobs(self) -> None:
-        """At shutdown: this server's requests stop at their next token (the engine goes on)."""
+        """At shutdown, on a thread: wait for the cancelled requests to end."""
         for job in list(self.jobs):
             job.cancel()
         for job in list(self.jobs):
             job.wait(30)
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The request's body: ApiError 413 over `max_body_bytes`, 408 if it has not all
+        arrived `body_timeout` seconds after the request began, 503 once a stop began."""
+        limit = self.config.max_body_bytes
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > limit:
+            raise ApiError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
+        if self.stopping:
+            raise _shutting_down()
+        body, size = [], 0
+        with anyio.move_on_after(self.config.body_timeout) as deadline:
+            self.reading.add(deadline)  # a stop cancels it
+            try:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:  # chunked bodies have no Content-Length: count as they come
+                        raise ApiError(413, f"the request body exceeds {limit} bytes",
+                                       code="body_too_large")  # fmt: skip
+                    body.append(chunk)
+                return b"".join(body)
+            finally:
+                self.reading.discard(deadline)
+        if self.stopping:
+            raise _shutting_down()
+        raise ApiError(408, f"the request body did not arrive within {self.config.body_timeout:g} "
+                       "s of the request", code="request_timeout")  # fmt: skip
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
@@ -264,7 +320,7 @@ class ServerApp:
 
     async def chat(self, request: Request) -> Response:
         try:
-            raw = await _read_body(request, self.config.max_body_bytes)
+            raw = await self._read_body(request)
             self._check_queue()  # before any work on the body
             # Parsing, checking and tokenizing run on a thread, holding no lock that another
             # request waits on: a huge body does not stall the event loop or small requests.
@@ -291,6 +347,8 @@ class ServerApp:
         return JSONResponse(self._completion(event[1], ident, created, chat.logprobs))
 
     def _check_queue(self) -> None:
+        if self.stopping:
+            raise _shutting_down()
         if self.engine.worker.queued() >= self.config.max_queued:
             raise ApiError(503, "the server is busy; retry later", type="server_error",
                            code="overloaded")  # fmt: skip
@@ -384,6 +442,8 @@ class ServerApp:
         mine: list[Job] = []
 
         def emit(event: tuple) -> None:  # called on the engine's model thread
+            if event[0] == "error" and event[1].code == "cancelled" and self.stopping:
+                event = ("error", _shutting_down())  # cancelled by the stop, not the client
             try:
                 loop.call_soon_threadsafe(events.put_nowait, event)
             except RuntimeError:  # the loop is gone (shutdown): nobody is listening
@@ -421,7 +481,7 @@ class ServerApp:
             return asked, self._prepare_translated(asked.chat, asked.origins)
 
         try:
-            raw = await _read_body(request, self.config.max_body_bytes)
+            raw = await self._read_body(request)
             self._check_queue()
             asked, prepared = await anyio.to_thread.run_sync(prepare, raw)
             running = await self._start(request, prepared, warm=True)
@@ -447,7 +507,7 @@ class ServerApp:
             return asked, self._prepare_translated(asked.chat, asked.origins)
 
         try:
-            raw = await _read_body(request, self.config.max_body_bytes)
+            raw = await self._read_body(request)
             self._check_queue()
             asked, prepared = await anyio.to_thread.run_sync(prepare, raw)
             running = await self._start(request, prepared, warm=True)
@@ -478,7 +538,7 @@ class ServerApp:
 
         running, scored = None, None
         try:
-            raw = await _read_body(request, self.config.max_body_bytes)
+            raw = await self._read_body(request)
             self._check_queue()
             asked = await anyio.to_thread.run_sync(prepare, raw)
             if asked.max_tokens > 0:
@@ -622,6 +682,7 @@ class BackgroundServer:
                 self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5
             )
         )
+        self.app.watch(self.server)
         self._thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
         )
@@ -737,7 +798,10 @@ def _serve(args, sock, folder, sampling, api_key, speculative, shard) -> int:
         if disk is not None:
             print(f"  disk cache: {disk.dir} ({disk.entries} prefixes, budget "
                   f"{disk.max_bytes / (1 << 30):.1f} GiB)", flush=True)  # fmt: skip
-        server = uvicorn.Server(uvicorn.Config(create_app(eng, config), log_level="info"))
+        app = create_app(eng, config)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="info",
+                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))  # fmt: skip
+        app.watch(server)  # a stop cancels the requests at once
         with _stop_signals(server, stopped_by):
             server.run(sockets=[sock])
     finally:
