@@ -7,6 +7,7 @@ no cache, no snapshots and no server (`fresh_answer`).
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -24,7 +25,7 @@ from engine.checkpoints.tokenizer import StreamDecoder
 from engine.runtime.generate import decode, prefill
 from engine.runtime.sampling import Sampler, SamplingParams
 from engine.serving.completion import OutputText, Renderer, parse_request
-from engine.serving.server import BackgroundServer, ServerConfig
+from engine.serving.server import BackgroundServer, ServerApp, ServerConfig
 
 WINDOW = SERVER_WINDOW  # a small context window keeps the too-long-prompt check cheap
 MAX_TOKENS = 6  # decoding dominates test time (~40 ms a token on 2 busy cores)
@@ -448,6 +449,56 @@ def test_malformed_json_too_long_and_too_large(server):
     with pytest.raises(openai.BadRequestError) as e:  # through the official client too
         ask(client(server), [{"role": "user", "content": "hi"}, {"role": "narrator"}])
     assert e.value.body["param"] == "messages[1].role"
+
+
+class Records(logging.Handler):
+    """The records of the given loggers (INFO and up, as their levels let through) while in
+    use; `seen` is set by each."""
+
+    def __init__(self, *names: str):
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+        self.seen = threading.Event()
+        self.loggers = [logging.getLogger(name) for name in names]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        self.seen.set()
+
+    def __enter__(self) -> Records:
+        for logger in self.loggers:
+            logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for logger in self.loggers:
+            logger.removeHandler(self)
+
+
+def test_a_client_gone_while_sending_its_body_is_one_line_in_the_log(server, caplog):
+    # Before, Starlette's ClientDisconnect escaped the handler: a 500 and a full traceback
+    # at ERROR, one per such client.
+    caplog.set_level(logging.INFO, logger="chatml.server")
+    with Records("chatml.server", "uvicorn.error") as log:
+        send_partial_body(server.url).close()
+        assert log.seen.wait(30)
+        assert ask(client(server), [{"role": "user", "content": "hi"}]).choices  # serves on
+    (record,) = log.records
+    assert record.levelno == logging.INFO and record.exc_info is None
+    assert record.getMessage() == "a client went away while sending its request body"
+
+
+def test_an_internal_error_is_one_traceback(server, monkeypatch):
+    def bug(self, raw):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(ServerApp, "_prepare", bug)
+    with Records("chatml.server", "uvicorn.error") as log:
+        r = post(server, {"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert log.seen.wait(30)  # logged after the answer is sent
+    (record,) = log.records
+    assert record.levelno == logging.ERROR and record.exc_info[1].args == ("a bug",)
 
 
 def test_health_models_and_unknown_route(server):

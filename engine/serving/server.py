@@ -36,7 +36,7 @@ import anyio
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -274,7 +274,8 @@ class ServerApp:
 
     async def _read_body(self, request: Request) -> bytes:
         """The request's body: ApiError 413 over `max_body_bytes`, 408 if it has not all
-        arrived `body_timeout` seconds after the request began, 503 once a stop began."""
+        arrived `body_timeout` seconds after the request began, 503 once a stop began, 499
+        (answered to no one) if the client went away."""
         limit = self.config.max_body_bytes
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > limit:
@@ -292,6 +293,10 @@ class ServerApp:
                                        code="body_too_large")  # fmt: skip
                     body.append(chunk)
                 return b"".join(body)
+            except ClientDisconnect:  # nobody will read the answer: one line, no traceback
+                log.info("a client went away while sending its request body")
+                raise ApiError(499, "the client went away while sending the request body",
+                               code="client_disconnected") from None  # fmt: skip
             finally:
                 self.reading.discard(deadline)
         if self.stopping:
