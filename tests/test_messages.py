@@ -285,3 +285,29 @@ def test_x_api_key_and_bearer(tiny):
         body = {"model": "tiny", "max_tokens": 1, "messages": conversation}
         assert httpx.post(srv.url + "/v1/messages", json=body, headers=bearer,
                           timeout=30).status_code == 200  # fmt: skip
+
+
+def test_http_and_internal_errors_in_anthropic_shape(server, monkeypatch):
+    """404, 405 and 500 under /v1/messages come in Anthropic's shape (as 400 and 401 do);
+    elsewhere in OpenAI's."""
+
+    def anthropic_error(r: httpx.Response, status: int, kind: str) -> str:
+        assert r.status_code == status, r.text
+        body = r.json()
+        assert body["type"] == "error" and body["error"]["type"] == kind
+        return body["error"]["message"]
+
+    anthropic_error(httpx.get(server.url + "/v1/messages"), 405, "invalid_request_error")
+    anthropic_error(httpx.post(server.url + "/v1/messages/count_tokens", json={}), 404,
+                    "not_found_error")  # fmt: skip
+    assert httpx.get(server.url + "/v1/chat/completions").json()["error"]["code"] == (
+        "method_not_allowed"
+    )
+
+    def bug(body, defaults=None):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(api, "translate", bug)
+    body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(server.url + "/v1/messages", json=body, timeout=30)
+    assert anthropic_error(r, 500, "api_error") == "internal error: a bug"

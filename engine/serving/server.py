@@ -130,10 +130,20 @@ def _anthropic_error(e: ApiError) -> JSONResponse:
     return JSONResponse(messages.error_body(e), status_code=e.status, headers=_close(e))
 
 
+def _is_anthropic(path: str) -> bool:
+    """Whether `path` is under /v1/messages, whose errors come in Anthropic's shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 def _close(e: ApiError) -> dict | None:
     # After a 408 the rest of the body may never come: the connection cannot serve another
     # request, so it is closed rather than left waiting for it.
     return {"Connection": "close"} if e.status == 408 else None
+
+
+def _shaped(request: Request, e: ApiError) -> JSONResponse:
+    """`e` in the shape of the API the request's path belongs to."""
+    return (_anthropic_error if _is_anthropic(request.url.path) else _error)(e)
 
 
 def _shutting_down() -> ApiError:
@@ -158,8 +168,8 @@ class BearerAuth:
         if not (bearer or x_api_key):
             e = ApiError(401, "Incorrect or missing API key (Authorization: Bearer KEY, or "
                          "x-api-key: KEY).", code="invalid_api_key")  # fmt: skip
-            anthropic = scope["path"].startswith("/v1/messages")
-            return await (_anthropic_error(e) if anthropic else _error(e))(scope, receive, send)
+            shaped = _anthropic_error if _is_anthropic(scope["path"]) else _error
+            return await shaped(e)(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
@@ -306,10 +316,10 @@ class ServerApp:
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return _error(ApiError(exc.status_code, str(exc.detail), code=code))
+        return _shaped(request, ApiError(exc.status_code, str(exc.detail), code=code))
 
     async def _server_error(self, request: Request, exc: Exception) -> Response:
-        return _error(ApiError(500, f"internal error: {exc}", type="server_error"))
+        return _shaped(request, ApiError(500, f"internal error: {exc}", type="server_error"))
 
     async def health(self, request: Request) -> Response:
         return JSONResponse(
