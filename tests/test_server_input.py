@@ -25,6 +25,7 @@ from engine.cli import main
 from engine.runtime.sampling import Sampler
 from engine.serving.completion import ApiError, Renderer, output_budget, parse_request, prepare
 from engine.serving.server import BackgroundServer, ServerConfig, create_app, resolve_api_key
+from engine.serving.translation import Origins
 
 WINDOW = SERVER_WINDOW
 USER = {"role": "user", "content": "hi"}
@@ -269,6 +270,45 @@ def test_seeds_across_the_whole_range_work(server, seed):
 def test_out_of_range_numbers_are_a_400_however_large(server, value, param):
     raw = json.dumps(body_with())[:-1] + f', "{param}": {json.dumps(value)}' + "}"
     assert_400(post_raw(server, raw), param)
+
+
+# ----- errors renamed for the other APIs ---------------------------------------------------
+
+
+def test_renamed_errors_keep_their_prose():
+    """Only the parameter's name is renamed in a translated error's message: quoted, opening
+    the message, or a structured name; the same word in prose stays (it read "the prompt
+    take 32769 tokens ... the server never drops prompt" on /v1/completions)."""
+    try:
+        output_budget(parse_request({"messages": [USER]}), 32769, 32768, 512)
+    except ApiError as e:
+        long = e
+    e = Origins({"messages": "prompt"}).error(long)
+    assert e.param == "prompt" and e.code == "context_length_exceeded"
+    assert e.message == long.message  # "... but the messages take 32769 tokens ..."
+    assert "the messages take 32769 tokens" in e.message and "never drops messages" in e.message
+    quoted = ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
+    assert Origins({"messages": "input"}).error(quoted).message == (
+        "'input' must be a non-empty list of messages"
+    )
+    origins = Origins({"tool_choice.function": "tool_choice"})
+    origins.messages = ["instructions", "input[3]"]
+    e = origins.error(ApiError(400, "messages[1].content: must not be empty",
+                               param="messages[1].content"))  # fmt: skip
+    assert (e.param, e.message) == ("input[3].content", "input[3].content: must not be empty")
+    e = origins.error(ApiError(400, "tool_choice.function.name must be a string (see "
+                               "tool_choice.function)", param="tool_choice.function.name"))  # fmt: skip
+    assert e.message == "tool_choice.name must be a string (see tool_choice.function)"
+
+
+def test_a_too_long_prompt_on_completions_reads_right(server):
+    body = {"model": "tiny", "prompt": list(range(1000, 1001 + WINDOW)), "max_tokens": 1}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
+    assert f"but the messages take {WINDOW + 1} tokens" in error["message"]
+    assert "prompt take" not in error["message"] and "drops prompt" not in error["message"]
 
 
 # ----- tools and content (issue item 9) -----------------------------------------------------

@@ -12,6 +12,9 @@ from typing import Any
 from .completion import ApiError, ChatRequest, parse_request
 
 _MESSAGE = re.compile(r"messages\[(\d+)\]")
+# A parameter's name in an error message: a word, then any [index] or .field parts.
+_NAME = re.compile(r"[A-Za-z_]\w*(?:\[\d+\]|\.[A-Za-z_]\w*)*")
+_QUOTES = "'\"`"
 
 
 def bad(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
@@ -67,8 +70,29 @@ class Origins:
         param = self.rename(e.param)
         message = e.message
         if e.param and param != e.param:
-            message = message.replace(e.param, param)
+            message = _renamed(message, e.param, param)
         return ApiError(e.status, message, param=param, code=e.code, type=e.type)
+
+
+def _renamed(message: str, old: str, new: str) -> str:
+    """`message` with the parameter `old` called `new` where it names it: as a whole name
+    (`messages[3]` but not the start of `messages[3].role`, another parameter). A plain word
+    (`messages`) names the parameter only quoted or opening the message: elsewhere it is
+    prose ("the messages take 9000 tokens")."""
+    word = old.isalpha()
+
+    def one(m: re.Match) -> str:
+        start, end = m.span()
+        if m.group() != old:
+            return m.group()
+        quoted = (
+            start > 0
+            and message[start - 1] in _QUOTES
+            and message[end : end + 1] == message[start - 1]
+        )
+        return new if not word or start == 0 or quoted else old
+
+    return _NAME.sub(one, message)
 
 
 def chat_request(body: dict, defaults: Mapping | None, origins: Origins) -> ChatRequest:
