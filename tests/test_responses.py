@@ -182,6 +182,16 @@ def test_store_is_bounded():
         ({"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({}, "input"),
+        ({"input": []}, "input"),
+        ({"input": "hi", "tools": [TOOL], "tool_choice": {"type": "function"}},
+         "tool_choice.name"),
+        ({"input": "hi", "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}},
+         "tool_choice.name"),
+        ({"input": "hi", "tools": [TOOL], "tool_choice": {"type": "allowed_tools",
+          "mode": "auto", "tools": [{"type": "function", "name": "get_weather"}]}},
+         "tool_choice"),
+        ({"input": "hi", "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+        ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
         ({"input": [{"role": "assistant", "content": "a"}, {"role": "tool"}]}, "input[1].role"),
     ],
 )  # fmt: skip
@@ -190,6 +200,25 @@ def test_bad_requests_name_the_field(server, body, param):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_tool_choice_in_the_responses_forms(server):
+    """The Responses API's own tool_choice forms (what the OpenAI SDK sends), not the chat
+    ones: a named function is forced, "none" is plain text."""
+    c = client(server)
+    r = c.responses.create(model="tiny", input="Weather in Oslo?", tools=[TOOL], temperature=0,
+                           tool_choice={"type": "function", "name": "get_weather"},
+                           max_output_tokens=40)  # fmt: skip
+    assert [item.type for item in r.output] == ["function_call"]
+    assert r.output[0].name == "get_weather" and isinstance(json.loads(r.output[0].arguments), dict)
+    assert r.tool_choice.type == "function" and r.tool_choice.name == "get_weather"  # as sent
+    r = ask(c, input="Weather in Oslo?", tools=[TOOL], tool_choice="none")
+    assert [item.type for item in r.output] == ["message"]
+    # The name a bad choice is refused under is the Responses one, not the chat's.
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(c, input="hi", tools=[TOOL], tool_choice={"type": "function", "name": "nope"})
+    assert e.value.body["param"] == "tool_choice.name"
+    assert "tool_choice.function" not in e.value.body["message"]
 
 
 def test_render_errors_name_the_input_item(server):

@@ -71,6 +71,8 @@ def _input_items(value: Any, origins: Origins) -> list[dict]:
         return [{"role": "user", "content": value}]
     if not isinstance(value, list):
         raise bad("'input' must be a string or a list of items", "input", "invalid_type")
+    if not value:
+        raise bad("'input' must be a string or a non-empty list of items", "input")
     out: list[dict] = []
     reasoning: list[str] = []  # reasoning items attach to the assistant message that follows
     for i, item in enumerate(value):
@@ -158,8 +160,23 @@ def _thinking(reasoning: Any) -> bool | None:
     return effort != "none"  # the template has one switch: think or not
 
 
-_FIELDS = {"max_tokens": "max_output_tokens", "tools": "tools", "tool_choice": "tool_choice",
+_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "tools": "tools",
+           "tool_choice.function": "tool_choice", "tool_choice": "tool_choice",
            "chat_template_kwargs.enable_thinking": "reasoning.effort"}  # fmt: skip
+
+
+def _tool_choice(choice: Any) -> str | dict:
+    """The Responses forms of `tool_choice` as the chat ones; ApiError(400) for the forms
+    that have none here (allowed_tools, hosted tools)."""
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        if not isinstance(choice.get("name"), str):
+            raise bad("'tool_choice.name' must be a string", "tool_choice.name", "invalid_type")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad("'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', "
+              "'name': ...} (allowed_tools and hosted tools are not supported)", "tool_choice",
+              "unsupported_value")  # fmt: skip
 
 
 class _Origins(Origins):
@@ -208,7 +225,7 @@ def translate(body: Any, store: ResponseStore, defaults: Mapping | None = None) 
     if body.get("tools"):
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
-        chat["tool_choice"] = body["tool_choice"]
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
     thinking = _thinking(body.get("reasoning"))
     if thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": thinking}

@@ -59,7 +59,7 @@ class Origins:
             if i < len(self.messages):
                 rest = param[m.end() :]
                 return self.messages[i] + (".content" if rest.startswith(".content") else "")
-            return param.split("[", 1)[0]
+            param = "messages"  # (a message the translation did not make): the whole list
         for old in sorted(self.fields, key=len, reverse=True):
             if param == old or param.startswith(old):
                 return self.fields[old] + param[len(old) :]
