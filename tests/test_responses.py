@@ -119,11 +119,22 @@ def test_reasoning_items(server):
     # Five random tokens never close the think block: all of it is reasoning.
     assert [item.type for item in r.output] == ["reasoning", "message"]
     assert r.output[0].content[0].text == reference.choices[0].message.reasoning_content
+    assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == MAX_TOKENS
     events = list(ask(c, input="Think: 3+4?", reasoning={"effort": "high"}, stream=True))
     streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert streamed == r.output[0].content[0].text
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == MAX_TOKENS
     off = ask(c, input="Think: 3+4?", reasoning={"effort": "none"})
     assert [item.type for item in off.output] == ["message"]
+    assert off.usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_reasoning_tokens_end_with_the_think_block():
+    stats = TurnStats(prompt_tokens=9, generated_tokens=5)
+    closed = Turn("4", "3+4", [1], [11, 12, 99, 13, 14], stats, "stop")  # 99: </think>
+    assert api.usage(closed, 99)["output_tokens_details"] == {"reasoning_tokens": 3}
+    assert api.reasoning_tokens(Turn("", "3+", [1], [11, 12], stats, "length"), 99) == 2
+    assert api.reasoning_tokens(Turn("4", None, [1], [11, 12], stats, "stop"), 99) == 0
 
 
 def test_function_call_output_and_stream_shapes():

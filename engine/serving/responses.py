@@ -62,6 +62,7 @@ class ResponsesRequest:
     store: bool
     origins: Origins  # for errors found later (rendering), named as the client wrote them
     echo: dict = field(default_factory=dict)  # request fields the response object repeats
+    think_end: int | None = None  # the `</think>` token's id: where reasoning_tokens end
 
 
 def _input_items(value: Any, origins: Origins) -> list[dict]:
@@ -187,8 +188,10 @@ class _Origins(Origins):
         return param
 
 
-def translate(body: Any, store: ResponseStore, defaults: Mapping | None = None) -> ResponsesRequest:
-    """A Responses request to the engine's chat request; ApiError(400) naming the field."""
+def translate(body: Any, store: ResponseStore, defaults: Mapping | None = None, *,
+              think_end: int | None = None) -> ResponsesRequest:  # fmt: skip
+    """A Responses request to the engine's chat request; ApiError(400) naming the field.
+    `think_end`: the `</think>` token's id, to count the answer's reasoning tokens."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", None, "invalid_type")
     origins = _Origins(_FIELDS)
@@ -240,7 +243,7 @@ def translate(body: Any, store: ResponseStore, defaults: Mapping | None = None) 
     request = chat_request(chat, defaults, origins)
     echo = {k: body.get(k) for k in ("instructions", "previous_response_id", "metadata",
                                      "max_output_tokens", "tool_choice", "tools")}  # fmt: skip
-    return ResponsesRequest(request, history, store_it, origins, echo)
+    return ResponsesRequest(request, history, store_it, origins, echo, think_end)
 
 
 # ----- the answer ---------------------------------------------------------------------------
@@ -303,11 +306,21 @@ def assistant_message(turn: Turn, out: Output) -> dict:
     return message
 
 
-def usage(turn: Turn) -> dict:
+def reasoning_tokens(turn: Turn, think_end: int | None) -> int:
+    """The generated tokens of the think block, its `</think>` included (all of them if it
+    never closed); 0 with thinking off."""
+    if turn.reasoning is None or think_end is None:  # None: the prompt opened no think block
+        return 0
+    ids = turn.token_ids
+    return ids.index(think_end) + 1 if think_end in ids else len(ids)
+
+
+def usage(turn: Turn, think_end: int | None = None) -> dict:
     s = turn.stats
+    details = {"reasoning_tokens": reasoning_tokens(turn, think_end)}
     return {
         "input_tokens": s.prompt_tokens, "input_tokens_details": {"cached_tokens": s.reused_tokens},
-        "output_tokens": s.generated_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens": s.generated_tokens, "output_tokens_details": details,
         "total_tokens": s.prompt_tokens + s.generated_tokens,
     }  # fmt: skip
 
@@ -327,7 +340,7 @@ def response(request: ResponsesRequest, ident: str, created: int, model: str,
     body["metadata"] = body.get("metadata") or {}
     if turn is not None:
         assert out is not None
-        body["output"], body["usage"] = out.items, usage(turn)
+        body["output"], body["usage"] = out.items, usage(turn, request.think_end)
         body["completed_at"] = int(time.time())
         if turn.finish_reason == "length":
             body["status"] = "incomplete"

@@ -48,7 +48,7 @@ from ..runtime.worker import Job
 from ..stateless import DEFAULT_MAX_TOKENS, PreparedChat, openai_message
 from ..turn import Turn
 from . import messages, responses, text_completion
-from .completion import ApiError, Renderer, decode_body, parse_request
+from .completion import THINK_END, ApiError, Renderer, decode_body, parse_request
 from .logprobs import openai_content
 
 log = logging.getLogger("chatml.server")
@@ -199,6 +199,7 @@ class ServerApp:
         self.stopping = False  # the server's stop began: requests cancelled, new ones refused
         self._server: uvicorn.Server | None = None  # whose stop `watch` waits for
         self.kept = responses.ResponseStore(config.responses_kept)  # previous_response_id
+        self.think_end = engine.tokenizer.backend.token_to_id(THINK_END)  # None: no such token
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/messages", self.messages, methods=["POST"]),
@@ -518,7 +519,8 @@ class ServerApp:
         """OpenAI's Responses API."""
 
         def prepare(raw: bytes):
-            asked = responses.translate(decode_body(raw), self.kept, self.sampling)
+            asked = responses.translate(decode_body(raw), self.kept, self.sampling,
+                                        think_end=self.think_end)  # fmt: skip
             return asked, self._prepare_translated(asked.chat, asked.origins)
 
         try:
