@@ -377,6 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "or $CHATML_API_KEY)")  # fmt: skip
     key.add_argument("--api-key-file", default=None, metavar="FILE",
                      help="read the API key from FILE (surrounding whitespace ignored)")  # fmt: skip
+    s.add_argument("--allow-origin", action="append", default=None, metavar="ORIGIN",
+                   help="a web page's origin (http://localhost:3000) that may call the server "
+                        "from the browser (CORS); repeatable. Without an API key a server on "
+                        "loopback refuses other sites' pages")  # fmt: skip
     s.add_argument("--cache-bytes", type=number(1), default=None,
                    help="cache budget (default: half the device memory the weights leave)")  # fmt: skip
     s.add_argument("--sequences", type=number(1), default=DEFAULT_SEQUENCES,

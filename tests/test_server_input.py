@@ -17,7 +17,7 @@ import threading
 import httpx
 import mlx.core as mx
 import pytest
-from helpers import SERVER_WINDOW
+from helpers import SERVER_WINDOW, serve_app
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -548,6 +548,72 @@ def test_the_server_itself_refuses_an_empty_key_and_strips_spaces(tiny):
 
 def _must_not_load(*args, **kwargs):
     raise AssertionError("the model was loaded")
+
+
+# ----- cross-site requests and DNS rebinding, on loopback without a key ---------------------
+
+
+def send(srv, path: str = "/v1/chat/completions", **headers) -> httpx.Response:
+    body = json.dumps({"messages": [USER], "max_tokens": 1})
+    return httpx.post(srv.url + path, content=body, headers=headers, timeout=60)
+
+
+def test_other_sites_pages_and_names_are_refused_on_loopback(tiny):
+    """A web page elsewhere can make the browser POST a "simple" request (text/plain, no
+    preflight) to 127.0.0.1, and a page whose name now points at 127.0.0.1 (DNS rebinding)
+    can read the answers: both are a 403 in the API's error shape. Clients without an
+    Origin (curl, SDKs) and loopback names and origins are served, with any Content-Type."""
+    config = ServerConfig(port=0, context_window=WINDOW, warm=False, prepare_grammar=False)
+    with BackgroundServer(tiny, config) as srv:
+        port = srv.url.rsplit(":", 1)[1]
+        r = send(srv, **{"Content-Type": "text/plain", "Origin": "http://attacker.example"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden_origin"
+        assert "--allow-origin http://attacker.example" in r.json()["error"]["message"]
+        assert send(srv, Origin="null").status_code == 403
+        r = send(srv, Host=f"attacker.example:{port}")
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden_host"
+        r = httpx.get(srv.url + "/v1/models", headers={"Host": "attacker.example"}, timeout=60)
+        assert r.status_code == 403
+        r = send(srv, "/v1/messages", Origin="https://attacker.example")
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+        for host in (f"127.0.0.1:{port}", "127.0.0.1", f"localhost:{port}", "localhost",
+                     f"[::1]:{port}", "[::1]"):  # fmt: skip
+            r = send(srv, Host=host, **{"Content-Type": "text/plain"})
+            assert r.status_code == 200, (host, r.text)
+        r = send(srv, Origin=f"http://localhost:{port}")
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        assert send(srv, Origin="http://127.0.0.1:5173").status_code == 200
+        assert send(srv).status_code == 200  # no Origin, no Content-Type
+
+
+def test_allowed_origins_get_cors_and_a_key_lifts_the_checks(tiny, monkeypatch, capsys):
+    config = ServerConfig(port=0, context_window=WINDOW, warm=False, prepare_grammar=False,
+                          allow_origins=["http://App.example:3000/"])  # fmt: skip
+    with BackgroundServer(tiny, config) as srv:
+        origin = "http://app.example:3000"
+        preflight = httpx.options(srv.url + "/v1/chat/completions", timeout=60, headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type, authorization"})  # fmt: skip
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == origin
+        r = send(srv, Origin=origin, **{"Content-Type": "application/json"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+        assert send(srv, Origin="http://app.example:4000").status_code == 403
+    # With an API key a browser cannot send, neither check applies (a reverse proxy may
+    # keep the client's Host): the key is what a request needs.
+    config = ServerConfig(port=0, context_window=WINDOW, warm=False, prepare_grammar=False,
+                          api_key="s3cret")  # fmt: skip
+    with BackgroundServer(tiny, config) as srv:
+        key = {"Authorization": "Bearer s3cret"}
+        assert send(srv, Host="api.example", Origin="https://api.example", **key).status_code == 200
+        assert send(srv, Host="api.example").status_code == 401
+    # The flag, through `chatml serve`'s parser: repeatable, checked before the model loads.
+    app = serve_app(monkeypatch, tiny, ["--allow-origin", "HTTP://localhost:3000/",
+                                        "--allow-origin", "https://x.example:443"])  # fmt: skip
+    assert app.config.allow_origins == ["http://localhost:3000", "https://x.example"]
+    monkeypatch.setattr("engine.load", _must_not_load)
+    assert main(["serve", "--port", "0", "--allow-origin", "localhost:3000"]) == 2
+    assert "is not an origin" in capsys.readouterr().err
 
 
 # ----- `chatml serve` start-up: the banner only once listening ------------------------------

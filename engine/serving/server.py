@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -31,11 +32,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
+from urllib.parse import urlsplit
 
 import anyio
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -93,6 +96,36 @@ def resolve_api_key(
     return None
 
 
+def is_loopback(name: str) -> bool:
+    """Whether a host name or address is this machine's loopback (localhost, 127.0.0.0/8,
+    ::1)."""
+    name = name.lower().removesuffix(".")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def check_origin(value: str) -> str:
+    """An --allow-origin value as a browser writes it in the Origin header: scheme://host or
+    scheme://host:port, lower case, no default port, nothing after; ValueError otherwise."""
+    parts = urlsplit(value.strip())
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if (not parts.scheme or not parts.hostname or port == -1 or "@" in parts.netloc
+            or parts.path not in ("", "/") or parts.query or parts.fragment):  # fmt: skip
+        raise ValueError(f"--allow-origin {value!r} is not an origin (scheme://host[:port], "
+                         "e.g. http://localhost:3000)")  # fmt: skip
+    scheme, host = parts.scheme.lower(), parts.hostname
+    host = f"[{host}]" if ":" in host else host
+    default = {"http": 80, "https": 443}.get(scheme)
+    return f"{scheme}://{host}" + (f":{port}" if port not in (None, default) else "")
+
+
 @dataclass
 class ServerConfig:
     model: str = "tiny"  # the id /v1/models reports
@@ -116,6 +149,9 @@ class ServerConfig:
     # per process), so that the first constrained request does not wait for it.
     prepare_grammar: bool = True
     body_timeout: float = BODY_TIMEOUT_S  # seconds for a request's body to arrive (then 408)
+    # Web pages that may call the server from their origin (--allow-origin): CORS for them,
+    # and past LocalOnly's Origin check.
+    allow_origins: list[str] | None = None
 
 
 # ----- HTTP ---------------------------------------------------------------------------------
@@ -173,6 +209,55 @@ class BearerAuth:
         return await self.app(scope, receive, send)
 
 
+class LocalOnly:
+    """ASGI middleware for a server on a loopback address without an API key: a 403 for a
+    request whose Host is not a loopback name (a page whose name an attacker pointed at
+    127.0.0.1, "DNS rebinding", could read the answers) or that carries the Origin of a web
+    page elsewhere (browsers send a "simple" cross-site POST, text/plain, without asking
+    first: any page could make the user's browser use the server), unless that origin was
+    allowed (--allow-origin). Requests without an Origin (curl, SDKs) are not affected."""
+
+    def __init__(self, app, allow_origins=()):
+        self.app = app
+        self.allowed = set(allow_origins)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        host = headers.get(b"host", b"").decode("latin-1")
+        origin = headers.get(b"origin", b"").decode("latin-1")
+        e = None
+        if host and not is_loopback(_host_name(host)):
+            e = ApiError(403, f"Host {host!r} is not a loopback name: this server listens on a "
+                         "loopback address without an API key, so it answers requests for "
+                         "localhost, 127.0.0.1 or [::1] only. To serve it under another name "
+                         "(a reverse proxy), give it an API key.", code="forbidden_host")  # fmt: skip
+        elif origin and origin not in self.allowed and not _loopback_origin(origin):
+            e = ApiError(403, f"Origin {origin!r} may not use this server: without an API key "
+                         "it refuses requests from web pages of other sites. To allow that "
+                         f"page, start it with --allow-origin {origin}.",
+                         code="forbidden_origin")  # fmt: skip
+        if e is not None:
+            shaped = _anthropic_error if _is_anthropic(scope["path"]) else _error
+            return await shaped(e)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, without the port (an IPv6 address comes in brackets)."""
+    if host.startswith("[") and "]" in host:
+        return host[1 : host.index("]")]
+    return host.rsplit(":", 1)[0]
+
+
+def _loopback_origin(origin: str) -> bool:
+    try:
+        return is_loopback(urlsplit(origin).hostname or "")
+    except ValueError:
+        return False
+
+
 async def _watch_disconnect(request: Request, job: Job) -> None:
     """Cancel `job` when the client goes away (the body has been read: only that can come)."""
     while True:
@@ -212,8 +297,14 @@ class ServerApp:
         self.starlette = Starlette(
             routes=routes, exception_handlers=handlers, lifespan=self._lifespan
         )
-        key = config.api_key
-        self.asgi = self.starlette if key is None else BearerAuth(self.starlette, key)
+        key, origins = config.api_key, [check_origin(o) for o in config.allow_origins or ()]
+        app = self.starlette if key is None else BearerAuth(self.starlette, key)
+        if origins:  # outside BearerAuth: a browser's preflight carries no key
+            app = CORSMiddleware(app, allow_origins=origins, allow_methods=["GET", "POST"],
+                                 allow_headers=["*"])  # fmt: skip
+        if key is None and is_loopback(config.host):
+            app = LocalOnly(app, origins)
+        self.asgi = app
 
     async def __call__(self, scope, receive, send) -> None:
         await self.asgi(scope, receive, send)
@@ -743,11 +834,12 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
 
     try:
         api_key = resolve_api_key(args.api_key, args.api_key_file)
+        origins = [check_origin(o) for o in getattr(args, "allow_origin", None) or ()]
         speculative = speculative_options(args)
     except ValueError as e:
         print(f"chatml serve: error: {e}", file=sys.stderr)
         return 2
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+    if not is_loopback(args.host) and not api_key:
         log.warning(
             "serving on %s without an API key: anyone who can reach it can use it", args.host
         )
@@ -774,13 +866,13 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
             return 1
     try:
         with sock:
-            return _serve(args, sock, folder, sampling, api_key, speculative, shard)
+            return _serve(args, sock, folder, sampling, api_key, origins, speculative, shard)
     finally:
         if folder is not None:
             folder.release()  # (the disk cache released it already, if it took it over)
 
 
-def _serve(args, sock, folder, sampling, api_key, speculative, shard) -> int:
+def _serve(args, sock, folder, sampling, api_key, origins, speculative, shard) -> int:
     """`run` once the port listens and the cache folder is locked: load, serve, close."""
     import engine as engine_pkg
 
@@ -805,7 +897,7 @@ def _serve(args, sock, folder, sampling, api_key, speculative, shard) -> int:
             model=args.model, host=args.host, port=args.port, api_key=api_key,
             sequences=args.sequences, max_tokens=args.max_tokens, sampling=defaults,
             special_tokens_in_content="parse" if args.parse_special_in_content else "text",
-            warm_prompts=warm, warm=not getattr(args, "no_warm", False),
+            warm_prompts=warm, warm=not getattr(args, "no_warm", False), allow_origins=origins,
         )  # fmt: skip
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
