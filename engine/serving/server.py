@@ -708,9 +708,8 @@ class ServerApp:
             watcher.cancel()
         if kind == "raise":
             raise value
-        if kind == "cancelled":
-            raise ApiError(503, "the request was cancelled (the server is stopping)",
-                           type="server_error", code="cancelled")  # fmt: skip
+        if kind == "cancelled":  # the client left (nobody reads this) or the server stops
+            raise _shutting_down()
         return value
 
 
