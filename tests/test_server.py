@@ -384,6 +384,26 @@ def test_sigterm_cancels_requests_and_exits(tiny, tmp_path):
     assert status == 503 and body["error"]["code"] == "shutting_down"
 
 
+def test_a_stop_as_soon_as_the_banner_shows_is_clean(tmp_path):
+    """SIGTERM the moment the banner is read: the handlers are in place before it (the
+    default SIGTERM killed the process there), and the interpreter waits for llguidance's
+    tokenizer build, which runs then (a daemon thread inside it crashed the exit, SIGSEGV)."""
+    log = tmp_path / "server.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "serve", "--model", "tiny", "--port", "0",
+         "--no-disk-cache", "--no-warm"],
+        stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
+    )  # fmt: skip
+    try:
+        assert " on http://" in proc.stdout.readline()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, log.read_text()
+        assert "chatml serve: stopped by SIGTERM" in proc.stdout.read()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 # ----- errors -------------------------------------------------------------------------------
 
 

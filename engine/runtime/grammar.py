@@ -139,7 +139,10 @@ def prepare(engine) -> threading.Thread | None:
         except Exception:  # the request that needs it raises it again (a fresh build)
             log.exception("building llguidance's tokenizer failed")
 
-    thread = threading.Thread(target=build, name="llguidance-tokenizer", daemon=True)
+    # Not a daemon: the interpreter waits for it at exit. A daemon thread still inside the
+    # build (native code) when the interpreter finalizes crashed it (SIGSEGV) in a server
+    # stopped within a second of starting.
+    thread = threading.Thread(target=build, name="llguidance-tokenizer", daemon=False)
     thread.start()
     return thread
 

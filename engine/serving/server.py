@@ -898,19 +898,21 @@ def _serve(args, sock, folder, sampling, api_key, origins, speculative, shard) -
             special_tokens_in_content="parse" if args.parse_special_in_content else "text",
             warm_prompts=warm, warm=not getattr(args, "no_warm", False), allow_origins=origins,
         )  # fmt: skip
-        host, port = sock.getsockname()[:2]
-        url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
-        print(f"chatml serve: {args.model} on {url}", flush=True)
-        shown = describe(defaults) if defaults else "OpenAI's (temperature 1, top_p 1)"
-        print(f"  sampling defaults (a request's fields replace them): {shown}", flush=True)
-        if disk is not None:
-            print(f"  disk cache: {disk.dir} ({disk.entries} prefixes, budget "
-                  f"{disk.max_bytes / (1 << 30):.1f} GiB)", flush=True)  # fmt: skip
         app = create_app(eng, config)
         server = uvicorn.Server(uvicorn.Config(app, log_level="info",
                                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))  # fmt: skip
         app.watch(server)  # a stop cancels the requests at once
+        # The handlers before the banner: a client (or a test) that stops the server as soon
+        # as it reads the banner gets a clean stop, not the default SIGTERM's kill.
         with _stop_signals(server, stopped_by):
+            host, port = sock.getsockname()[:2]
+            url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+            print(f"chatml serve: {args.model} on {url}", flush=True)
+            shown = describe(defaults) if defaults else "OpenAI's (temperature 1, top_p 1)"
+            print(f"  sampling defaults (a request's fields replace them): {shown}", flush=True)
+            if disk is not None:
+                print(f"  disk cache: {disk.dir} ({disk.entries} prefixes, budget "
+                      f"{disk.max_bytes / (1 << 30):.1f} GiB)", flush=True)  # fmt: skip
             server.run(sockets=[sock])
     finally:
         eng.close()  # the disk cache's writes finish, its folder is released
