@@ -366,10 +366,12 @@ class Chat:
         if greedy or o["seed"] is not None:  # the same prompt, the same tokens
             why = "greedy decoding (--temperature 0)" if greedy else "a fixed --seed"
             _err(f"[{why} gives the same answer again; --temperature > 0 without --seed varies it]")
-        last, last_turn = s.history.pop(), self.turns.pop() if self.turns else None
-        if not self.ask(last[0]["content"]):
-            s.history.append(last)
-            self.turns.append(last_turn)
+        history, turns = list(s.history), list(self.turns)
+        last = s.history.pop()
+        if self.turns:
+            self.turns.pop()
+        if not self.ask(last[0]["content"]):  # the conversation as it was, the exchange once
+            s.history[:], self.turns = history, turns
 
     def _save(self, session_id: str | None) -> None:
         from .storage.store import SessionIdError

@@ -9,7 +9,9 @@ right after `<|im_start|>assistant\n` (the next turn: the answer is re-rendered 
 and the prompt's end. Older boundaries are never a linear conversation's deepest match again,
 so they are dropped (each costs a whole recurrent state). A turn that fails (an exception,
 Ctrl+C, a rejected answer, an abandoned stream) leaves the history as it was and the cache at
-its state before the turn, or at a snapshot of it.
+its state before the turn, or at a snapshot of it. The exchange is recorded on the caller's
+thread as the Turn is handed over, so a Ctrl+C that lands after the model thread finished it
+(before the caller has it) still leaves no trace.
 
 With a disk tier (`engine.load(..., cache_dir=...)`), a turn whose caches reuse less than an
 entry on disk reads that entry instead of prefilling it, and each turn writes the point the
@@ -19,6 +21,7 @@ it from disk (engine/storage/disk_cache.py).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -38,7 +41,7 @@ from .constraints import (
 from .runtime.batch import WAIT
 from .runtime.sampling import MAX_TOP_LOGPROBS, Sampler, SamplingParams
 from .runtime.sequence import CachedSequence, Progress
-from .runtime.worker import Job
+from .runtime.worker import Job, WorkerStopped
 from .turn import Turn, make_turn
 
 DEFAULT_MAX_TOKENS = 512
@@ -230,16 +233,19 @@ class Session:
         return self.edit_last(None, **kwargs)
 
     def edit_last(self, text, **kwargs) -> Turn:
-        """Replace the last question by `text` (None keeps it) and answer it afresh."""
+        """Replace the last question by `text` (None keeps it) and answer it afresh.
+
+        On failure the conversation is as it was, the redone exchange in its place once."""
         self._check_idle()
         if not self.history:
             raise ValueError("there is no exchange to redo")
         self.stop_warm()
+        before = self._state()
         last = self.history.pop()
         try:
             return self.send(last[0]["content"] if text is None else text, **kwargs)
         except BaseException:
-            self.history.append(last)
+            self._set_state(before)
             raise
 
     def warm(self, cancelled: Callable[[], bool] | None = None) -> int:
@@ -382,9 +388,12 @@ class Session:
             tools, t0,
         )  # fmt: skip
 
-    def _run(self, recorded: int, *args) -> Iterator:
+    def _run(self, recorded: int, prompt, current, sampler, max_tokens, validate, ignore_eos,
+             tools, t0) -> Iterator:  # fmt: skip
         if not self._answering.acquire(blocking=False):
             raise TurnConflict(_BUSY)
+        finished: list = []  # the model thread's turn, once its job has returned (`_answer`)
+        before = None
         try:
             if recorded != self._recorded:  # its prompt lacks the turns answered since
                 raise TurnConflict(
@@ -393,14 +402,24 @@ class Session:
             self.stop_warm()  # one started since this stream was made: it would move the caches
             # The turn runs on the engine's model thread, one piece per `next` here: closing
             # this generator closes that one there (rolling back) before it returns.
+            args = (prompt, current, sampler, max_tokens, validate, ignore_eos, t0, finished)
             turn = yield from self.engine.worker.iterate(lambda: self._answer(*args))
+            # Recorded here, on the caller's thread, as the turn is handed over: a caller that
+            # fails first (Ctrl+C while the model thread returns) has it taken back below.
+            before = self._state()
+            self._record(current, turn, tools)
+        except BaseException:
+            if before is not None:
+                self._set_state(before)
+            if finished:  # the model thread had finished the turn: its caches go back too
+                self._take_back(*finished[0])
+            raise
         finally:
             self._answering.release()
         yield turn
 
-    def _answer(
-        self, prompt, current, sampler, max_tokens, validate, ignore_eos, tools, t0
-    ) -> Iterator:
+    def _answer(self, prompt, current, sampler, max_tokens, validate, ignore_eos, t0,
+                finished: list) -> Iterator:  # fmt: skip
         stops = _resume_points(prompt, len(current))
         progress = Progress()
         detok, pieces = StreamDecoder(self.engine.tokenizer), []
@@ -434,15 +453,27 @@ class Session:
                 if progress.undo is not None:
                     self.seq.rollback(progress.undo)  # a failed turn leaves no trace
                 raise
-            self._record(current, turn)
             self.seq.keep_snapshots(stops | {len(prompt.ids)})
             if disk is not None:  # where the next turn resumes, kept across a restart
                 b = prompt.boundaries
                 disk.observe_prefill(progress.prefilled, progress.prefill_s)
                 disk.keep_turn(self.seq, (b.system_end, b.generation_start))
-            if tools is not None:
-                self.tools = tools  # the session's tools from now on
+        # What `_take_back` needs to undo the turn if the caller fails before it has it.
+        finished.append((progress.undo, self.seq.caches, list(self.seq.tokens)))
         return turn
+
+    def _take_back(self, undo, caches, tokens) -> None:
+        """Return the caches to their state before a turn the model thread finished but the
+        caller never received, unless other work has moved them since (then they are left:
+        whatever they hold is valid)."""
+
+        def work() -> None:
+            if undo is not None and self.seq.caches is caches and self.seq.tokens == tokens:
+                self.seq.rollback(undo)
+                self.engine.budget.enforce(active=self.seq)
+
+        with contextlib.suppress(WorkerStopped):  # the engine closed: nothing to keep
+            self.engine.worker.call(work)
 
     def _from_disk(self, disk, ids: list[int]) -> None:
         """Take the longest prefix of `ids` the engine's disk tier holds, if it is longer than
@@ -461,7 +492,7 @@ class Session:
         return make_turn(prompt, raw, p, t0, cache_bytes=self.seq.cache_bytes,
                          warm_tokens=warm_tokens, logprobs=logprobs)  # fmt: skip
 
-    def _record(self, current: list[dict], turn: Turn) -> None:
+    def _record(self, current: list[dict], turn: Turn, tools: list[dict] | None) -> None:
         self._recorded += 1
         exchange = current + [turn.message()]
         if turn.tool_calls:
@@ -469,6 +500,17 @@ class Session:
         else:
             self.pending = []
             self.history.append(exchange)
+        if tools is not None:
+            self.tools = tools  # the session's tools from now on
+
+    def _state(self) -> tuple:
+        """What a turn changes in the conversation (not the caches), for `_set_state`."""
+        return list(self.history), list(self.pending), self.tools, self._recorded
+
+    def _set_state(self, state: tuple) -> None:
+        history, pending, self.tools, self._recorded = state
+        self.history[:] = history  # in place: a caller may hold the list
+        self.pending = list(pending)
 
 
 def _resume_points(prompt, n_current: int) -> set[int]:

@@ -408,6 +408,39 @@ def test_a_resumed_chat_warms_before_the_first_question(tiny, tmp_path, monkeypa
     assert s.prefilled_tokens <= new_message + 8  # the question and the generation prompt
 
 
+def test_ctrl_c_as_the_answer_is_handed_over_is_not_recorded_anywhere(tiny, tmp_path,
+                                                                      monkeypatch, capsys):  # fmt: skip
+    """Ctrl+C that lands once the model thread has finished the answer (deterministically: as
+    the caller's wait for it ends): "not recorded" is true of the session, its log and the
+    conversation the next prompt holds; /regenerate leaves the question once."""
+    from engine.chat import Chat
+    from engine.runtime.worker import ModelThread
+
+    real_iterate = ModelThread.iterate
+
+    def interrupted(self, make):
+        yield from real_iterate(self, make)  # the job ran to its end and returned
+        raise KeyboardInterrupt
+
+    store = SessionStore(tmp_path, warn=lambda m: None)
+    args = SimpleNamespace(json_schema=None, max_tokens=4, temperature=0.0, seed=None,
+                           no_history=False, stats=False, warm=False)  # fmt: skip
+    with store.open("ki", tiny, system=SYSTEM) as stored:
+        s = stored.session
+        chat = Chat(args, tiny, s, stored, store, "tiny", interactive=False)
+        assert chat.ask(QUESTIONS[0])
+        monkeypatch.setattr(ModelThread, "iterate", interrupted)
+        assert not chat.ask(QUESTIONS[1])
+        chat.command("/regenerate")
+        monkeypatch.undo()
+        assert capsys.readouterr().err.count("[interrupted: the question was not recorded]") == 2
+        assert [ex[0]["content"] for ex in s.history] == QUESTIONS[:1] and len(chat.turns) == 1
+        assert chat.ask(QUESTIONS[1])
+        prompt = tiny.tokenizer.decode(chat.last.prompt_ids)
+    assert [ex[0]["content"] for ex in store.read("ki").history] == QUESTIONS[:2]
+    assert all(prompt.count(q) == 1 for q in QUESTIONS[:2])
+
+
 def test_sampling_defaults_come_from_the_checkpoint_and_flags_override_them(tiny, tmp_path):
     """A checkpoint whose generation_config.json asks for greedy decoding with penalties:
     `chatml chat` answers as the Python API does when given those values; a flag replaces

@@ -185,6 +185,64 @@ def test_interrupted_stream_and_keyboard_interrupt_roll_back(tiny, first_logits)
     check_turn(tiny, turn, first_logits[-1])
 
 
+def _interrupt_after_the_job(monkeypatch, where):
+    """Ctrl+C (a KeyboardInterrupt in the caller) once the model thread has finished the turn:
+    "returned", as the caller's wait for the job's return ends; "recorded", right after the
+    caller's side has recorded the exchange, before the turn is handed over."""
+    from engine.runtime.worker import ModelThread
+    from engine.session import Session
+
+    if where == "returned":
+        real_iterate = ModelThread.iterate
+
+        def iterate(self, make):
+            yield from real_iterate(self, make)  # the job ran to its end and returned
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(ModelThread, "iterate", iterate)
+    else:
+        real_record = Session._record
+
+        def record(self, *args):
+            real_record(self, *args)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(Session, "_record", record)
+
+
+@pytest.mark.parametrize("where", ["returned", "recorded"])
+def test_ctrl_c_after_the_model_thread_finished_the_turn_leaves_no_trace(tiny, monkeypatch,
+                                                                         where):  # fmt: skip
+    s = tiny.session("sys")
+    s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    q1_start = s.render([{"role": "user", "content": QUESTIONS[1]}], MAX_TOKENS).boundaries
+    s.send(QUESTIONS[1], max_tokens=MAX_TOKENS)
+    history, tokens, snaps = [list(e) for e in s.history], list(s.tokens), set(s.seq.snapshots)
+    for attempt in (lambda: s.send(QUESTIONS[2], max_tokens=MAX_TOKENS),
+                    lambda: s.regenerate(max_tokens=MAX_TOKENS),
+                    lambda: s.edit_last(QUESTIONS[3], max_tokens=MAX_TOKENS)):  # fmt: skip
+        _interrupt_after_the_job(monkeypatch, where)
+        with pytest.raises(KeyboardInterrupt):
+            attempt()
+        monkeypatch.undo()
+        assert s.history == history and s.pending == []  # the last question once, not twice
+        assert tokens[: len(s.tokens)] == s.tokens  # the caches: as before, or a snapshot of it
+        assert set(s.seq.snapshots) <= snaps and not s._answering.locked()
+    # The conversation goes on as if the interrupted turns never happened: against a fresh
+    # engine given the same messages.
+    again = s.regenerate(max_tokens=MAX_TOKENS)
+    nxt = s.send(QUESTIONS[2], max_tokens=MAX_TOKENS)
+    assert [e[0]["content"] for e in s.history] == QUESTIONS[:3]
+    fresh = engine.load("tiny")
+    messages = [{"role": "system", "content": "sys"}, *s.history[0]]
+    for ex, turn in zip(s.history[1:], (again, nxt)):
+        messages.append(ex[0])
+        ref = fresh.chat(messages, max_tokens=MAX_TOKENS, warm=False)
+        assert (turn.prompt_ids, turn.token_ids) == (ref.prompt_ids, ref.token_ids)
+        messages.append(ex[1])
+    assert again.stats.reused_tokens >= q1_start.message_starts[-1]  # the kept snapshots serve
+
+
 def test_rejected_answer_is_not_recorded(tiny):
     s = tiny.session("sys")
     s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
