@@ -229,19 +229,25 @@ class Session:
         return self._turn(current, params, max_tokens, validate, ignore_eos, tools, options)
 
     def regenerate(self, **kwargs) -> Turn:
-        """Answer the last question again (rolls back to before it; restored on failure)."""
+        """Answer the last question again (rolls back to before it; restored on failure); with
+        tool calls pending, that is their question (see `edit_last`)."""
         return self.edit_last(None, **kwargs)
 
     def edit_last(self, text, **kwargs) -> Turn:
         """Replace the last question by `text` (None keeps it) and answer it afresh.
 
-        On failure the conversation is as it was, the redone exchange in its place once."""
+        While tool calls wait for results, the last question is the pending one: its exchange
+        (the calls, any results so far) is redone from the question. On failure the
+        conversation is as it was, the redone exchange in its place once."""
         self._check_idle()
-        if not self.history:
+        if not (self.pending or self.history):
             raise ValueError("there is no exchange to redo")
         self.stop_warm()
         before = self._state()
-        last = self.history.pop()
+        if self.pending:
+            last, self.pending = self.pending, []
+        else:
+            last = self.history.pop()
         try:
             return self.send(last[0]["content"] if text is None else text, **kwargs)
         except BaseException:

@@ -343,6 +343,34 @@ def _pending_tool_call(eng, s, monkeypatch):
     assert call.tool_calls and s.pending
 
 
+@pytest.mark.parametrize("history", [0, 1])
+def test_regenerate_and_edit_with_tool_calls_pending_redo_the_pending_question(tiny, monkeypatch,
+                                                                               history):  # fmt: skip
+    s = tiny.session("sys")
+    if history:
+        s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    _pending_tool_call(tiny, s, monkeypatch)  # asks QUESTIONS[1], which calls a tool
+    before, pending = [list(e) for e in s.history], list(s.pending)
+
+    def interrupt(turn):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # a failed redo keeps the pending exchange
+        s.regenerate(max_tokens=MAX_TOKENS, validate=interrupt)
+    assert s.history == before and s.pending == pending
+    again = s.regenerate(max_tokens=MAX_TOKENS)
+    assert [e[0]["content"] for e in s.history] == [*QUESTIONS[:history], QUESTIONS[1]]
+    edited = s.edit_last(QUESTIONS[2], max_tokens=MAX_TOKENS)
+    assert [e[0]["content"] for e in s.history] == [*QUESTIONS[:history], QUESTIONS[2]]
+    # Against a fresh engine given the same messages (the session's tools are the call's).
+    fresh = engine.load("tiny")
+    messages = [{"role": "system", "content": "sys"}, *[m for e in before for m in e]]
+    for q, turn in ((QUESTIONS[1], again), (QUESTIONS[2], edited)):
+        ref = fresh.chat([*messages, {"role": "user", "content": q}], tools=TOOLS,
+                         max_tokens=MAX_TOKENS, warm=False)  # fmt: skip
+        assert (turn.prompt_ids, turn.token_ids) == (ref.prompt_ids, ref.token_ids)
+
+
 @pytest.mark.parametrize(
     "make_bad",
     [
