@@ -132,6 +132,18 @@ def test_zero_exchanges_keeps_no_history():
     assert p1 == p2  # the second prompt holds no earlier exchange (0 is not "the default")
 
 
+def test_zero_exchanges_in_a_session_stays_zero_when_resumed():
+    sid = new_id("mx0")
+    r = chatml("chat", "--session", sid, "--max-exchanges", "0", "--max-tokens", "2", "-p", "Hi")
+    assert r.returncode == 0, r.stderr
+    again = chatml("chat", "--session", sid, "--max-tokens", "2", stdin="Hello\n")
+    assert again.returncode == 0, again.stderr
+    assert "max 0 exchanges" in chatml("sessions", "show", sid).stdout
+    prompt = STATS.findall(again.stdout)[0][0]
+    alone = chatml("chat", "--max-tokens", "2", "-p", "Hello")
+    assert STATS.findall(alone.stdout)[0][0] == prompt  # the resumed question is on its own
+
+
 def test_resume_in_a_new_process_equals_an_uninterrupted_run(tiny):
     sid = new_id("resume")
     opts = ("--system", SYSTEM, "--max-tokens", "5", "--session", sid, *GREEDY)

@@ -225,6 +225,19 @@ def test_attach_saves_an_in_memory_conversation(tiny, store):
         store.attach("att", session, turns)
 
 
+def test_a_window_of_zero_exchanges_is_kept_and_resumed_as_zero(tiny, store):
+    with store.open("mx0", tiny, system=SYSTEM, max_exchanges=0) as s:
+        assert s.session.max_exchanges == 0
+        _, second = _turns(s, QUESTIONS[:2])
+        assert QUESTIONS[0] not in tiny.tokenizer.decode(second.prompt_ids)  # asked on its own
+    with store.open("mx0", tiny) as s:  # resumed without the option: the header's 0
+        assert s.session.max_exchanges == 0 and len(s.session.history) == 2
+    with store.open("mx0", tiny, max_exchanges=2) as s:  # a given window replaces it
+        assert s.session.max_exchanges == 2
+    with store.open("mx0", tiny) as s:
+        assert s.session.max_exchanges == 2
+
+
 @pytest.mark.parametrize("bad", ["../x", "/etc", "a/b", "..", ".", "", "a\\b", ".hidden", "x" * 65])
 def test_unsafe_session_ids_are_rejected(tiny, store, bad):
     with pytest.raises(SessionIdError, match="invalid session id"):

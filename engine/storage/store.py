@@ -232,7 +232,7 @@ class StoredSession:
         chosen = {k: given[k] if given[k] is not None else stored.get(k) for k in OPTIONS}
         self.session = self.engine.session(
             chosen["system"],
-            max_exchanges=chosen["max_exchanges"] or 6,
+            max_exchanges=6 if chosen["max_exchanges"] is None else chosen["max_exchanges"],
             enable_thinking=chosen["enable_thinking"],
             **options,
         )
