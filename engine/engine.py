@@ -220,6 +220,8 @@ class Engine:
         top_k: int = 0,
         min_p: float = 0.0,
         repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
         seed: int | None = None,
         stop: str | list[str] | None = None,
         enable_thinking: bool | None = None,
@@ -240,8 +242,10 @@ class Engine:
         default the model's) is a `ChatError`, unless `max_exchanges` keeps only that many
         earlier exchanges (fewer if the window needs it), as a Session does. `max_tokens`
         defaults to 512 within the window. `warm` prefills the conversation's likely next
-        prompt while the engine is idle. Bad input raises `ChatError` (a ValueError) here,
-        before anything runs; several threads may call at once (served one after another).
+        prompt while the engine is idle. The sampling options are the server's, greedy unless
+        told otherwise (`**eng.sampling_defaults` passes the checkpoint's, as the server uses
+        them). Bad input raises `ChatError` (a ValueError) here, before anything runs;
+        several threads may call at once (served one after another).
         `response_format` (OpenAI's text / json_object / json_schema) and `tool_choice`
         ("required" or {"type": "function", "function": {"name": ...}}) constrain decoding;
         `logprobs`/`top_logprobs` fill `Turn.logprobs`; `max_thinking_tokens` or
@@ -252,7 +256,8 @@ class Engine:
         return chat_stream(
             self, messages, tools=tools, tool_choice=tool_choice, max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            repetition_penalty=repetition_penalty, seed=seed, stop=stop,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, seed=seed, stop=stop,
             enable_thinking=enable_thinking, preserve_thinking=preserve_thinking,
             max_exchanges=max_exchanges, context_window=context_window, warm=warm,
             response_format=response_format, logprobs=logprobs, top_logprobs=top_logprobs,

@@ -351,7 +351,7 @@ def openai_message(turn: Turn) -> Message:
 
 def chat_stream(engine, messages: list[dict], *, tools=None, tool_choice=None, max_tokens=None,
                 temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
-                seed=None, stop=None, enable_thinking=None, preserve_thinking=None,
+                presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=None, enable_thinking=None, preserve_thinking=None,
                 max_exchanges=None, context_window=None, warm=True, response_format=None,
                 logprobs=None, top_logprobs=None, max_thinking_tokens=None,
                 reasoning_effort=None) -> Iterator[str | Turn]:  # fmt: skip
@@ -368,7 +368,9 @@ def chat_stream(engine, messages: list[dict], *, tools=None, tool_choice=None, m
     body = {
         "messages": messages, "tools": tools, "tool_choice": tool_choice,
         "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-        "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed, "stop": stop,
+        "min_p": min_p, "repetition_penalty": repetition_penalty,
+        "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+        "seed": seed, "stop": stop,
         "chat_template_kwargs": {k: v for k, v in kwargs.items() if v is not None},
         "response_format": response_format, "logprobs": logprobs, "top_logprobs": top_logprobs,
         "max_thinking_tokens": max_thinking_tokens, "reasoning_effort": reasoning_effort,

@@ -249,3 +249,29 @@ def test_stop_strings_cut_the_streamed_text_and_closing_early_keeps_a_valid_pool
     stream.close()  # stops at the next token
     again = tiny.chat(messages, max_tokens=12, warm=False)
     assert again.token_ids == full.token_ids and again.stats.reused_tokens > 0
+
+
+def test_penalties_and_the_checkpoints_sampling_defaults_are_taken_as_the_server_takes_them(
+    tiny, server
+):
+    """`presence_penalty`/`frequency_penalty` reach the sampler as the server's and a Session's
+    do, and `**eng.sampling_defaults` (Qwen3.5's recommendation has presence_penalty 1.5) is
+    accepted: greedy and seeded answers equal the server's and a Session's."""
+    question = "Say something again and again."
+    messages = [{"role": "user", "content": question}]
+
+    def served(**options) -> str:
+        body = {"messages": messages, "max_tokens": 12, **options}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+        return r["choices"][0]["message"]["content"]
+
+    plain = tiny.chat(messages, max_tokens=12, warm=False)
+    for options in (
+        {"temperature": 0, "presence_penalty": -1.0, "frequency_penalty": 0.3},
+        {**tiny.sampling_defaults, "seed": 7},
+    ):
+        turn = tiny.chat(messages, max_tokens=12, warm=False, **options)
+        alone = tiny.session(None).send(question, max_tokens=12, **options)
+        assert turn.token_ids == alone.token_ids and turn.text == served(**options)
+        assert turn.token_ids != plain.token_ids  # the options made a difference
+    assert tiny.sampling_defaults["presence_penalty"] == 1.5
