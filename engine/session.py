@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from inspect import signature
 
 from renderer import PromptTooLong, SegmentCache, build_prompt
+from renderer.validation import json_problem
 
 from .checkpoints.tokenizer import StreamDecoder, check_special_mode
 from .constraints import (
@@ -81,24 +82,27 @@ def _check_options(system, tools, enable_thinking, preserve_thinking, max_exchan
 
 
 def _check_text(value, where: str) -> None:
-    """Reject lone surrogates in any string inside `value` (what undecodable bytes become with
-    surrogateescape): they have no UTF-8 form, so the tokenizer could not encode them."""
-    todo = [(value, where)]
-    while todo:  # a stack, not recursion: tool arguments may nest deeply
-        item, at = todo.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(
-                    f"{at} is not valid text: lone surrogate {item[e.start]!r} at character "
-                    f"{e.start} (undecodable bytes?)"
-                ) from None
-        elif isinstance(item, dict):
-            todo += [(k, f"{at} (a key)") for k in item]
-            todo += [(v, f"{at}[{k!r}]") for k, v in item.items()]
-        elif isinstance(item, (list, tuple)):
-            todo += [(v, f"{at}[{i}]") for i, v in enumerate(item)]
+    """Reject what no tokenizer or template can take, a ValueError naming where: lone
+    surrogates in any string or key inside `value` (what undecodable bytes become with
+    surrogateescape: they have no UTF-8 form), nesting deeper than the server allows (the
+    template's recursive code would fail) and integers of over a thousand digits."""
+    problem = json_problem(value)  # iterative: any depth is safe to check
+    if problem is None:
+        return
+    keys, reason = problem
+    at = where + "".join(f"[{k!r}]" for k in keys)
+    item = value
+    for k in keys:
+        item = item[k]
+    if isinstance(item, str):
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"{at} is not valid text: lone surrogate {item[e.start]!r} at character "
+                f"{e.start} (undecodable bytes?)"
+            ) from None
+    raise ValueError(f"{at}: {reason}")
 
 
 def _check_count(name: str, value, minimum: int) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 from renderer import Prompt, PromptTooLong, SegmentCache, build_prompt, split_conversation
+from renderer.validation import json_path, json_problem
 
 from .checkpoints.tokenizer import StreamDecoder
 from .constraints import GrammarError, check_constraint, constraint_spec, make_sampler
@@ -375,9 +376,15 @@ def chat_stream(engine, messages: list[dict], *, tools=None, tool_choice=None, m
         "response_format": response_format, "logprobs": logprobs, "top_logprobs": top_logprobs,
         "max_thinking_tokens": max_thinking_tokens, "reasoning_effort": reasoning_effort,
     }  # fmt: skip
+    body = {k: v for k, v in body.items() if v is not None}
+    problem = json_problem(body)  # what the server's decode_body refuses (surrogates, depth)
+    if problem:
+        keys, reason = problem
+        param = json_path("", keys)
+        raise ChatError(f"{param}: {reason}", param, "invalid_value")
     chat = engine.stateless
     try:
-        request = parse_request({k: v for k, v in body.items() if v is not None})
+        request = parse_request(body)
         prepared = chat.prepare(request, window=context_window, max_exchanges=max_exchanges)
     except ApiError as e:
         raise ChatError(e.message, e.param, e.code) from None

@@ -425,6 +425,35 @@ def test_lone_surrogates_in_session_options_raise_when_the_session_is_made(tiny,
         tiny.session(**options)
 
 
+def _deep_tool(depth: int = 1000) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return {"type": "function", "function": {"name": "f", "parameters": schema}}
+
+
+def test_deep_nesting_is_a_value_error_not_a_recursion_error(tiny, monkeypatch):
+    with pytest.raises(ValueError, match=r"tools\[0\]\['function'\]\['parameters'\].*nested "
+                                         "deeper than 64 levels"):  # fmt: skip
+        tiny.session("sys", tools=[_deep_tool()])
+    s = tiny.session("sys")
+    s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    _pending_tool_call(tiny, s, monkeypatch)
+    history, pending, tokens = [list(e) for e in s.history], list(s.pending), list(s.tokens)
+    for bad in (lambda: s.send("hi", tools=[_deep_tool()]),
+                lambda: s.send_tool_results([{"content": "x", "extra": _nested_list(1000)}])):  # fmt: skip
+        with pytest.raises(ValueError, match="nested deeper than 64 levels"):
+            bad()
+        assert s.history == history and s.pending == pending and s.tokens == tokens
+
+
+def _nested_list(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 @pytest.mark.parametrize("extra", [0, 1, 30_000])
 def test_max_tokens_beyond_the_context_window_says_so(tiny, extra):
     s = tiny.session("sys", context_window=300)

@@ -275,3 +275,43 @@ def test_penalties_and_the_checkpoints_sampling_defaults_are_taken_as_the_server
         assert turn.token_ids == alone.token_ids and turn.text == served(**options)
         assert turn.token_ids != plain.token_ids  # the options made a difference
     assert tiny.sampling_defaults["presence_penalty"] == 1.5
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+DEEP_TOOL = {"type": "function", "function": {"name": "f", "parameters": _nested(1000)}}
+
+
+@pytest.mark.parametrize(
+    "messages, options, param",
+    [
+        ([{"role": "user", "content": "a\udc80"}], {}, "messages[0].content"),
+        ([{"role": "system", "content": "\udc80"}, {"role": "user", "content": "x"}], {},
+         "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "text", "text": "caf\udce9"}]}], {},
+         "messages[0].content[0].text"),
+        ([{"role": "user", "content": "x"}],
+         {"tools": [{"type": "function", "function": {"name": "f", "description": "\udc80"}}]},
+         "tools[0].function.description"),
+        ([{"role": "user", "content": "x"}], {"stop": ["\ud800"]}, "stop[0]"),
+        ([{"role": "user", "content": "x"}], {"tools": [DEEP_TOOL]},
+         "tools[0].function.parameters" + ".properties.a" * 30),
+    ],
+    ids=["user", "system", "text-part", "tool-description", "stop", "deep-tool-schema"],
+)  # fmt: skip
+def test_text_no_tokenizer_takes_and_deep_nesting_are_chat_errors_naming_them(tiny, messages,
+                                                                               options, param):  # fmt: skip
+    """What the server's body check refuses (lone surrogates, nesting past 64 levels) is a
+    ChatError naming the field at the call, not a TypeError from the tokenizer or a
+    RecursionError from the template."""
+    completed = tiny.stateless.completed
+    with pytest.raises(engine.ChatError) as e:
+        tiny.chat_stream(messages, max_tokens=MAX_TOKENS, **options)
+    assert e.value.param == param and e.value.code == "invalid_value"
+    assert "lone surrogate" in str(e.value) or "nested deeper than 64 levels" in str(e.value)
+    assert tiny.stateless.completed == completed  # nothing ran
