@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from inspect import signature
 
 from renderer import PromptTooLong, SegmentCache, build_prompt
-from renderer.validation import json_problem
+from renderer.validation import json_problem, validate_tools
 
 from .checkpoints.tokenizer import StreamDecoder, check_special_mode
 from .constraints import (
@@ -70,7 +70,7 @@ def _check_options(system, tools, enable_thinking, preserve_thinking, max_exchan
     if tools is not None and not isinstance(tools, list):
         raise TypeError(f"tools must be a list of tool definitions, got {type(tools).__name__}")
     _check_text(system, "system")
-    _check_text(tools, "tools")
+    _check_tools(tools)
     for name, flag in (("enable_thinking", enable_thinking),
                        ("preserve_thinking", preserve_thinking)):  # fmt: skip
         if flag is not None and not isinstance(flag, bool):
@@ -103,6 +103,14 @@ def _check_text(value, where: str) -> None:
                 f"{e.start} (undecodable bytes?)"
             ) from None
     raise ValueError(f"{at}: {reason}")
+
+
+def _check_tools(tools) -> None:
+    """Tool definitions as Engine.chat and the server check them: a RenderError (ValueError)
+    naming the bad part (``tools[0].function.name``)."""
+    if tools is not None:
+        _check_text(tools, "tools")
+        validate_tools(tools)
 
 
 def _check_count(name: str, value, minimum: int) -> None:
@@ -226,6 +234,7 @@ class Session:
                max_thinking_tokens=None, reasoning_effort=None, logprobs=False,
                top_logprobs=0, **sampling) -> Iterator[str | Turn]:  # fmt: skip
         """The turn that adds `current` to the conversation, with `stream`'s options."""
+        _check_tools(tools)  # before tool_choice reads them
         params = SamplingParams(**sampling)
         options = _constraint_options(self.tools if tools is None else tools, response_format,
                                       tool_choice, max_thinking_tokens, reasoning_effort,
@@ -382,7 +391,6 @@ class Session:
                 "and the answer"
             )
         _check_text(current, "messages")
-        _check_text(tools, "tools")
         prompt = self.render(current, max_tokens, tools)
         if options:
             spec = constraint_spec(self.engine, options["format"], options["forced"])

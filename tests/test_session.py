@@ -454,6 +454,24 @@ def _nested_list(depth: int) -> list:
     return value
 
 
+@pytest.mark.parametrize("tool_choice", [None, "required"])
+def test_bad_tool_definitions_at_a_turn_are_refused_as_engine_chat_refuses_them(tiny, monkeypatch,
+                                                                                tool_choice):  # fmt: skip
+    bad = [{"type": "function", "function": {}}]
+    with pytest.raises(engine.ChatError, match="the function name must be a non-empty string"):
+        tiny.chat([{"role": "user", "content": "x"}], tools=bad, tool_choice=tool_choice)
+    s = tiny.session("sys", tools=TOOLS)
+    s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    _pending_tool_call(tiny, s, monkeypatch)
+    history, pending, tokens = [list(e) for e in s.history], list(s.pending), list(s.tokens)
+    for turn in (lambda: s.send("x", tools=bad, tool_choice=tool_choice),
+                 lambda: s.send_tool_results(["21"], tools=bad, tool_choice=tool_choice)):  # fmt: skip
+        with pytest.raises(ValueError, match=r"tools\[0\].function.name'?: the function name"):
+            turn()
+        assert s.tools == TOOLS and s.history == history and s.pending == pending
+        assert s.tokens == tokens
+
+
 @pytest.mark.parametrize("extra", [0, 1, 30_000])
 def test_max_tokens_beyond_the_context_window_says_so(tiny, extra):
     s = tiny.session("sys", context_window=300)
@@ -475,8 +493,11 @@ def test_max_tokens_beyond_the_context_window_says_so(tiny, extra):
         ({"preserve_thinking": 1}, TypeError, "preserve_thinking must be True, False or None"),
         ({"tools": {"name": "f"}}, TypeError, "tools must be a list"),
         ({"system": ["sys"]}, TypeError, "system must be a string or None, got list"),
+        ({"tools": ["x"]}, ValueError, r"tools\[0\]'?: a tool must be an object, got str"),
+        ({"tools": [{"type": "function", "function": {}}]}, ValueError,
+         r"tools\[0\].function.name'?: the function name must be a non-empty string"),
     ],
-)
+)  # fmt: skip
 def test_bad_session_options_raise_when_the_session_is_made(tiny, options, error, message):
     with pytest.raises(error, match=message):
         tiny.session(**{"system": "sys", **options})
