@@ -212,21 +212,29 @@ class Session:
         return _last(self.stream_tool_results(results, **options))
 
     def stream_tool_results(self, results: Sequence, **options) -> Iterator[str | Turn]:
-        """Answer the last turn's tool calls (strings, or dicts with `content`); continues the
-        turn. Takes every option of `stream` (a TypeError names any other)."""
+        """Answer the last turn's tool calls (strings, or dicts with `content`), one result per
+        call in order; continues the turn. Takes every option of `stream` (a TypeError names
+        any other)."""
         signature(Session.stream).bind(self, "", **options)
         self._check_idle()
         if not self.pending:
             raise ValueError("no tool calls are waiting for results")
         if isinstance(results, (str, dict)) or not results:
             raise ValueError("results must be a non-empty list of strings or dicts")
+        calls = len(self.pending[-1].get("tool_calls") or [])
+        if len(results) != calls:  # as Engine.chat and the server insist
+            raise ValueError(f"{len(results)} tool results for {calls} tool call"
+                             f"{'s' * (calls != 1)} (one result per call, in order)")  # fmt: skip
         tool_msgs = []
         for i, r in enumerate(results):
             if isinstance(r, str):
                 r = {"content": r}
             if not isinstance(r, dict) or not isinstance(r.get("content"), str):
                 raise ValueError(f"results[{i}] must be a string or a dict with string 'content'")
-            tool_msgs.append({"role": "tool", **r})
+            if r.get("role", "tool") != "tool":
+                raise ValueError(f"results[{i}]['role'] must be 'tool' (or left out), got "
+                                 f"{r['role']!r}")  # fmt: skip
+            tool_msgs.append({**r, "role": "tool"})
         return self._start(self.pending + tool_msgs, **options)
 
     def _start(self, current: list[dict], *, tools=None, validate=None, ignore_eos=False,

@@ -472,6 +472,29 @@ def test_bad_tool_definitions_at_a_turn_are_refused_as_engine_chat_refuses_them(
         assert s.tokens == tokens
 
 
+@pytest.mark.parametrize(
+    "results, message",
+    [
+        (["21", "22"], "2 tool results for 1 tool call"),
+        ([{"content": "21"}, "22", "23"], "3 tool results for 1 tool call"),
+        ([{"content": "21", "role": "user"}], r"results\[0\]\['role'\] must be 'tool'"),
+    ],
+)
+def test_tool_results_must_answer_the_calls_one_each(tiny, monkeypatch, results, message):
+    s = tiny.session("sys")
+    _pending_tool_call(tiny, s, monkeypatch)  # one call
+    pending, tokens = list(s.pending), list(s.tokens)
+    with pytest.raises(engine.ChatError):  # Engine.chat refuses the same conversation
+        tiny.chat([*s.messages, *({"role": "tool", "content": "x"} for _ in range(2))])
+    with pytest.raises(ValueError, match=message):
+        s.send_tool_results(results, max_tokens=MAX_TOKENS)
+    assert s.pending == pending and s.history == [] and s.tokens == tokens
+    turn = s.send_tool_results([{"content": "21", "role": "tool"}], max_tokens=MAX_TOKENS)
+    ref = engine.load("tiny").chat([*s.messages[:-1]], tools=TOOLS, max_tokens=MAX_TOKENS,
+                                   warm=False)  # fmt: skip
+    assert (turn.prompt_ids, turn.token_ids) == (ref.prompt_ids, ref.token_ids)
+
+
 @pytest.mark.parametrize("extra", [0, 1, 30_000])
 def test_max_tokens_beyond_the_context_window_says_so(tiny, extra):
     s = tiny.session("sys", context_window=300)
