@@ -40,13 +40,16 @@ from .constraints import (
     thinking_budget,
 )
 from .runtime.batch import WAIT
+from .runtime.pool import fork
 from .runtime.sampling import MAX_TOP_LOGPROBS, Sampler, SamplingParams
 from .runtime.sequence import CachedSequence, Progress
 from .runtime.worker import Job, WorkerStopped
 from .turn import Turn, make_turn
 
 DEFAULT_MAX_TOKENS = 512
-# What warm() assumes the next message costs when it predicts the window's token budget.
+# What warm() assumes the next message costs when it predicts the window's token budget: the
+# shortest message (the least a turn can trim), and a typical one.
+_SHORTEST_MESSAGE = "x"
 _TYPICAL_MESSAGE = "x " * 64
 
 
@@ -154,7 +157,11 @@ class Session:
         self.seq = CachedSequence(engine)
         self.seq.spillable = True  # with a disk tier, evicted state goes there (and comes back)
         self.segments = SegmentCache()  # token ids of rendered segments, reused across turns
-        self._warmed = (0, 0)  # positions the last warm() computed, for the next turn's stats
+        # A warm-up whose predicted window drops exchanges the caches hold goes to this second
+        # sequence, so that a next turn that does not trim (a shorter message, a regenerate)
+        # still finds the conversation in `seq`; the turn takes whichever reuses more.
+        self._spare: CachedSequence | None = None
+        self._warmed: dict = {}  # sequence -> (start, end) warm() computed there (turn stats)
         self._warming: Job | None = None  # a queued or running warm_in_background()
         self._answering = threading.Lock()  # held while a turn runs (an open stream)
         self._recorded = 0  # turns recorded and resets: a stream made before the last is stale
@@ -281,6 +288,9 @@ class Session:
         The next prompt is this conversation as the template will re-render it (previous answer
         without its think block; on a turn that trims, the re-windowed history) up to where the
         new user message starts. Prefilling it now leaves only the new message for the wait.
+        A re-windowed history is prefilled beside the cached conversation, not over it, so a
+        turn that does not trim after all (a shorter message than predicted, a regenerate)
+        prefills no more than without the warm-up.
         Exact: the next turn reuses only what matches its prompt. Runs on the engine's model
         thread and stops at a chunk boundary when other work is queued for the model, or when
         `cancelled()` (called on that thread) is true.
@@ -295,23 +305,52 @@ class Session:
         return self.engine.worker.run(Job(work, background=True))
 
     def _warm(self, cancelled: Callable[[], bool]) -> int:
-        """`warm`'s work, on the model thread."""
+        """`warm`'s work, on the model thread.
+
+        The window the next prompt gets depends on the next message's length (the token
+        budget), so two are predicted: with the shortest message and with a typical one.
+        A prefix that continues the cached conversation is prefilled in place; one whose
+        window drops exchanges the caches hold would overwrite them (a shorter message or a
+        regenerate would then prefill everything again), so it is prefilled in the spare
+        sequence, started from the system block. A warm-up never makes a turn prefill more
+        than it would without it."""
         if self.pending or self._answering.locked() or cancelled():
             return 0  # a stream began first: it needs no warm-up
-        prompt = self.render([{"role": "user", "content": _TYPICAL_MESSAGE}], self.max_tokens)
-        b = prompt.boundaries
-        prefix = prompt.ids[: b.message_starts[-1]]  # up to the new user message
-        # The next turn resumes at the prefix's end if its window is the predicted one, else
-        # right after the system block.
-        stops = {b.system_end, len(prefix)}
 
         def stop() -> bool:
             return self.engine.background_should_yield() or cancelled()
 
-        start, end = self.seq.extend(prefix, stops=stops, cancelled=stop)
-        if end > start:
-            self._warmed = (start, end)
-        return end - start
+        done, spared = 0, False
+        for message in (_SHORTEST_MESSAGE, _TYPICAL_MESSAGE):
+            prompt = self.render([{"role": "user", "content": message}], self.max_tokens)
+            b = prompt.boundaries
+            prefix = prompt.ids[: b.message_starts[-1]]  # up to the new user message
+            seq, at = self.seq, self.seq.reusable(prefix, need_logits=False, own=True)
+            if at <= b.system_end < len(seq.tokens):  # a window without what seq holds
+                if spared or at >= len(prefix):
+                    continue  # the spare holds the shortest message's, or there is no work
+                seq, spared = self._spare_for(prefix, at), True
+            # The next turn resumes at the prefix's end if its window is the predicted one,
+            # else right after the system block.
+            start, end = seq.extend(prefix, stops={b.system_end, len(prefix)}, cancelled=stop)
+            if end > start:
+                self._warmed[seq] = (start, end)
+            done += end - start
+            if stop():
+                break
+        return done
+
+    def _spare_for(self, prefix: list[int], at: int) -> CachedSequence:
+        """The spare sequence, holding at least `seq`'s first `at` tokens of `prefix` (a copy of
+        its system block, or more from an earlier warm-up)."""
+        spare = self._spare
+        if spare is None:
+            spare = self._spare = CachedSequence(self.engine)
+            spare.spillable = True
+        if spare.reusable(prefix, need_logits=False, own=True) < at:
+            fork(self.seq, at, spare)  # `at` is a snapshot of seq (or its live end)
+            self.engine.budget.enforce(active=spare)
+        return spare
 
     def warm_in_background(self) -> Job:
         """Queue `warm()` as idle-time work on the engine's model thread; returns its job.
@@ -338,6 +377,7 @@ class Session:
         self.stop_warm()
         self.history, self.pending = [], []
         self.seq.drop_cache()
+        self._spare, self._warmed = None, {}
         self._recorded += 1  # a stream made before now renders the forgotten history: stale
 
     @property
@@ -419,7 +459,7 @@ class Session:
         if not self._answering.acquire(blocking=False):
             raise TurnConflict(_BUSY)
         finished: list = []  # the model thread's turn, once its job has returned (`_answer`)
-        before = None
+        before = self._state()
         try:
             if recorded != self._recorded:  # its prompt lacks the turns answered since
                 raise TurnConflict(
@@ -432,11 +472,10 @@ class Session:
             turn = yield from self.engine.worker.iterate(lambda: self._answer(*args))
             # Recorded here, on the caller's thread, as the turn is handed over: a caller that
             # fails first (Ctrl+C while the model thread returns) has it taken back below.
-            before = self._state()
             self._record(current, turn, tools)
+            self._spare, self._warmed = None, {}  # a warm-up for the turn now answered
         except BaseException:
-            if before is not None:
-                self._set_state(before)
+            self._set_state(before)  # the conversation, and which sequence holds it
             if finished:  # the model thread had finished the turn: its caches go back too
                 self._take_back(*finished[0])
             raise
@@ -451,6 +490,11 @@ class Session:
         detok, pieces = StreamDecoder(self.engine.tokenizer), []
         # On the model thread (see `_run`), which holds the model across the yields.
         with self.engine.foreground():
+            spare = self._spare
+            if spare is not None and spare.reusable(prompt.ids, own=True) > self.seq.reusable(
+                prompt.ids, own=True
+            ):  # the warm-up predicted this turn's window: answer there (`_warm`)
+                self.seq, self._spare = spare, self.seq
             disk = getattr(self.engine, "disk", None)
             if disk is not None:
                 self._from_disk(disk, prompt.ids)
@@ -485,18 +529,18 @@ class Session:
                 disk.observe_prefill(progress.prefilled, progress.prefill_s)
                 disk.keep_turn(self.seq, (b.system_end, b.generation_start))
         # What `_take_back` needs to undo the turn if the caller fails before it has it.
-        finished.append((progress.undo, self.seq.caches, list(self.seq.tokens)))
+        finished.append((self.seq, progress.undo, self.seq.caches, list(self.seq.tokens)))
         return turn
 
-    def _take_back(self, undo, caches, tokens) -> None:
-        """Return the caches to their state before a turn the model thread finished but the
-        caller never received, unless other work has moved them since (then they are left:
-        whatever they hold is valid)."""
+    def _take_back(self, seq, undo, caches, tokens) -> None:
+        """Return `seq` to its state before a turn the model thread finished on it but the
+        caller never received, unless other work has moved it since (then it is left:
+        whatever it holds is valid)."""
 
         def work() -> None:
-            if undo is not None and self.seq.caches is caches and self.seq.tokens == tokens:
-                self.seq.rollback(undo)
-                self.engine.budget.enforce(active=self.seq)
+            if undo is not None and seq.caches is caches and seq.tokens == tokens:
+                seq.rollback(undo)
+                self.engine.budget.enforce(active=seq)
 
         with contextlib.suppress(WorkerStopped):  # the engine closed: nothing to keep
             self.engine.worker.call(work)
@@ -511,8 +555,8 @@ class Session:
             self.seq.tokens, self.seq.caches = restored
 
     def _make_turn(self, prompt, raw: str, p: Progress, t0: float, sampler: Sampler) -> Turn:
-        warm_tokens = max(0, min(p.reused, self._warmed[1]) - self._warmed[0])
-        self._warmed = (0, 0)
+        start, end = self._warmed.get(self.seq, (0, 0))
+        warm_tokens = max(0, min(p.reused, end) - start)
         recorded = getattr(sampler, "top_logprobs", None) is not None  # scripted samplers: none
         logprobs = sampler.recorded if recorded else None
         return make_turn(prompt, raw, p, t0, cache_bytes=self.seq.cache_bytes,
@@ -530,11 +574,13 @@ class Session:
             self.tools = tools  # the session's tools from now on
 
     def _state(self) -> tuple:
-        """What a turn changes in the conversation (not the caches), for `_set_state`."""
-        return list(self.history), list(self.pending), self.tools, self._recorded
+        """What a turn changes but the caches' contents, for `_set_state`: the conversation,
+        and which sequence holds it (`_answer` may take the spare)."""
+        return (list(self.history), list(self.pending), self.tools, self._recorded, self.seq,
+                self._spare, dict(self._warmed))  # fmt: skip
 
     def _set_state(self, state: tuple) -> None:
-        history, pending, self.tools, self._recorded = state
+        history, pending, self.tools, self._recorded, self.seq, self._spare, self._warmed = state
         self.history[:] = history  # in place: a caller may hold the list
         self.pending = list(pending)
 

@@ -87,3 +87,49 @@ def test_cancelled_warm_keeps_what_it_finished(tiny):
     turn = s.send(QUESTIONS[4], max_tokens=MAX_TOKENS)
     assert turn.stats.prefilled_tokens == expected
     assert turn.token_ids == fresh_greedy(tiny, turn.prompt_ids, MAX_TOKENS)[0]
+
+
+@pytest.mark.parametrize("shape", ["token-budget", "max-exchanges"])
+def test_a_warm_up_never_makes_the_next_turn_prefill_more(tiny, shape):
+    """warm() cannot know the next message's length, and near the window's token budget that
+    length decides whether the window drops an exchange. A warm-up predicting a trim that the
+    real (short) message does not make, or followed by a regenerate (whose window is the last
+    turn's), must not have thrown the cached conversation away: each turn prefills no more
+    than without the warm-up, and answers as a fresh engine given the same messages."""
+    import engine
+    from engine.session import _TYPICAL_MESSAGE
+
+    if shape == "token-budget":
+        options = {"context_window": 120, "max_tokens": 8, "max_exchanges": 6}
+        questions = ["My name is Alice.", "What is two plus two?", "What is my name?", "Ok.",
+                     "Tell me everything about foxes and their habits, " * 3, "Thanks!"]  # fmt: skip
+    else:
+        options = {"max_tokens": 8, "max_exchanges": 2}
+        questions = QUESTIONS[:5]
+    warmed, cold = (tiny.session("You are helpful.", **options) for _ in range(2))
+    fresh = engine.load("tiny")
+    mispredicted = 0
+
+    def reject(turn):
+        raise ValueError("rejected")
+
+    for i, q in enumerate(questions + ["regenerate"]):
+        if i:
+            typical = warmed.render([{"role": "user", "content": _TYPICAL_MESSAGE}], 8)
+            real = warmed.render([{"role": "user", "content": q}], 8)
+            mispredicted += typical.dropped > real.dropped
+            warmed.warm()
+        if q == "regenerate":
+            turn, ref = warmed.regenerate(), cold.regenerate()
+        else:
+            with pytest.raises(ValueError):  # a failed turn first: it keeps the warm-up too
+                warmed.send(q, validate=reject)
+            turn, ref = warmed.send(q), cold.send(q)
+        assert turn.prompt_ids == ref.prompt_ids
+        assert turn.stats.prefilled_tokens <= ref.stats.prefilled_tokens, (i, q)
+        messages = [{"role": "system", "content": "You are helpful."}]
+        messages += [m for ex in warmed.history[:-1] for m in ex] + [warmed.history[-1][0]]
+        expected = fresh.chat(messages, warm=False, **options)
+        assert (turn.prompt_ids, turn.token_ids) == (expected.prompt_ids, expected.token_ids)
+    assert mispredicted or shape == "max-exchanges"  # the shape the test is about did occur
+    assert turn.stats.dropped_exchanges > 0  # and the window did trim
