@@ -81,7 +81,7 @@ def add_chat_parser(sub) -> None:
         action="store_true",
         help="answers are a JSON object (constrained decoding, then checked)",
     )
-    c.add_argument("--max-thinking-tokens", type=int, default=None, metavar="N",
+    c.add_argument("--max-thinking-tokens", type=number(0), default=None, metavar="N",
                    help="close the think block after N tokens (thinking mode)")  # fmt: skip
     c.add_argument("-p", "--prompt", default=None, help="ask one question and exit")
     c.add_argument("--parse-special-in-content", action="store_true",

@@ -115,6 +115,7 @@ def test_prompt_with_no_history_is_a_usage_error():
         ("chat", "--max-tokens", "many", "argument --max-tokens: expected an integer, got 'many'"),
         ("chat", "--temperature", "-0.5", "argument --temperature: must be >= 0.0, got -0.5"),
         ("chat", "--temperature", "nan", "argument --temperature: expected a number, got 'nan'"),
+        ("chat", "--max-thinking-tokens", "-5", "--max-thinking-tokens: must be >= 0, got -5"),
         ("serve", "--port", "70000", "argument --port: must be <= 65535, got 70000"),
         ("serve", "--max-tokens", "-5", "argument --max-tokens: must be >= 1, got -5"),
         ("serve", "--sequences", "0", "argument --sequences: must be >= 1, got 0"),
