@@ -250,6 +250,11 @@ class Session:
                top_logprobs=0, **sampling) -> Iterator[str | Turn]:  # fmt: skip
         """The turn that adds `current` to the conversation, with `stream`'s options."""
         _check_tools(tools)  # before tool_choice reads them
+        if validate is not None and not callable(validate):
+            raise TypeError(f"validate must be a callable taking the Turn, or None, got "
+                            f"{validate!r}")  # fmt: skip
+        if not isinstance(ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be True or False, got {ignore_eos!r}")
         params = SamplingParams(**sampling)
         options = _constraint_options(self.tools if tools is None else tools, response_format,
                                       tool_choice, max_thinking_tokens, reasoning_effort,
@@ -595,6 +600,16 @@ def _resume_points(prompt, n_current: int) -> set[int]:
 def _constraint_options(tools, response_format, tool_choice, max_thinking_tokens,
                         reasoning_effort, logprobs, top_logprobs) -> dict | None:  # fmt: skip
     """The turn's constraint options, checked (ValueError naming the bad one); None if none."""
+    if not isinstance(logprobs, bool):
+        raise TypeError(f"logprobs must be True or False, got {logprobs!r}")
+    if (
+        isinstance(top_logprobs, bool)
+        or not isinstance(top_logprobs, int)
+        or not (0 <= top_logprobs <= MAX_TOP_LOGPROBS)
+    ):
+        raise ValueError(f"top_logprobs must be an integer from 0 to 20, got {top_logprobs!r}")
+    if top_logprobs and not logprobs:  # as Engine.chat and the server say
+        raise ValueError("top_logprobs needs logprobs=True")
     if (
         response_format is None
         and tool_choice in (None, "auto")
@@ -611,14 +626,6 @@ def _constraint_options(tools, response_format, tool_choice, max_thinking_tokens
         raise ValueError(e.message) from None
     if forced and fmt is not None:
         raise ValueError("a forced tool_choice and a response_format cannot be combined")
-    if not isinstance(logprobs, bool):
-        raise TypeError(f"logprobs must be True or False, got {logprobs!r}")
-    if (
-        isinstance(top_logprobs, bool)
-        or not isinstance(top_logprobs, int)
-        or not (0 <= top_logprobs <= MAX_TOP_LOGPROBS)
-    ):
-        raise ValueError(f"top_logprobs must be an integer from 0 to 20, got {top_logprobs!r}")
     budget = thinking_budget(max_thinking_tokens, reasoning_effort)
     top = top_logprobs if logprobs else None
     return {"format": fmt, "forced": forced, "budget": budget, "top": top}

@@ -365,6 +365,8 @@ def chat_stream(engine, messages: list[dict], *, tools=None, tool_choice=None, m
                                        or not isinstance(context_window, int) or context_window < 1):  # fmt: skip
         raise ChatError(f"context_window must be an integer >= 1 or None, got {context_window!r}",
                         "context_window", "invalid_value")  # fmt: skip
+    if not isinstance(warm, bool):
+        raise ChatError(f"warm must be True or False, got {warm!r}", "warm", "invalid_type")
     kwargs = {"enable_thinking": enable_thinking, "preserve_thinking": preserve_thinking}
     body = {
         "messages": messages, "tools": tools, "tool_choice": tool_choice,

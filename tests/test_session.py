@@ -495,6 +495,27 @@ def test_tool_results_must_answer_the_calls_one_each(tiny, monkeypatch, results,
     assert (turn.prompt_ids, turn.token_ids) == (ref.prompt_ids, ref.token_ids)
 
 
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"validate": 5}, TypeError, "validate must be a callable taking the Turn, or None"),
+        ({"ignore_eos": "no"}, TypeError, "ignore_eos must be True or False, got 'no'"),
+        ({"top_logprobs": 5}, ValueError, "top_logprobs needs logprobs=True"),
+        ({"top_logprobs": 99}, ValueError, "top_logprobs must be an integer from 0 to 20"),
+        ({"logprobs": 0}, TypeError, "logprobs must be True or False, got 0"),
+    ],
+)
+def test_bad_turn_options_raise_at_the_call_before_any_work(tiny, options, error, message):
+    s = tiny.session("sys")
+    s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    tokens, snaps = list(s.tokens), dict(s.seq.snapshots)
+    with pytest.raises(error, match=message):
+        s.stream(QUESTIONS[1], max_tokens=MAX_TOKENS, **options)  # at the call: nothing ran
+    with pytest.raises(error, match=message):
+        s.regenerate(max_tokens=MAX_TOKENS, **options)
+    assert s.tokens == tokens and s.seq.snapshots == snaps and len(s.history) == 1
+
+
 @pytest.mark.parametrize("extra", [0, 1, 30_000])
 def test_max_tokens_beyond_the_context_window_says_so(tiny, extra):
     s = tiny.session("sys", context_window=300)

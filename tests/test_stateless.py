@@ -223,6 +223,8 @@ def test_bad_input_raises_chat_error_naming_it_before_any_work(tiny):
         (ok, {"max_tokens": 0}, "max_tokens"),
         (ok, {"max_tokens": 10, "context_window": 20}, "max_tokens"),  # 13 + 10 > 20
         (ok, {"max_exchanges": -1}, "max_exchanges"),
+        (ok, {"warm": "no"}, "warm"),
+        (ok, {"top_logprobs": 3}, "top_logprobs"),
     ]
     for messages, options, param in cases:
         with pytest.raises(engine.ChatError) as e:
