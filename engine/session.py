@@ -79,7 +79,8 @@ def _check_options(system, tools, enable_thinking, preserve_thinking, max_exchan
         if flag is not None and not isinstance(flag, bool):
             raise TypeError(f"{name} must be True, False or None, got {flag!r}")
     _check_count("max_exchanges", max_exchanges, 0)
-    _check_count("max_tokens", max_tokens, 1)
+    if max_tokens is not None:
+        _check_count("max_tokens", max_tokens, 1)
     if context_window is not None:
         _check_count("context_window", context_window, 1)
 
@@ -116,6 +117,14 @@ def _check_tools(tools) -> None:
         validate_tools(tools)
 
 
+def _check_fits(max_tokens: int, window: int) -> None:
+    if max_tokens >= window:
+        raise ValueError(
+            f"max_tokens {max_tokens} {'exceeds' if max_tokens > window else 'fills'} the "
+            f"context window ({window} tokens), which must hold the prompt and the answer"
+        )
+
+
 def _check_count(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an integer, got {value!r}")
@@ -135,7 +144,7 @@ class Session:
         enable_thinking: bool | None = None,
         preserve_thinking: bool | None = None,
         tools: list[dict] | None = None,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
+        max_tokens: int | None = None,
         context_window: int | None = None,
         special_tokens_in_content: str = "text",
     ):
@@ -150,8 +159,10 @@ class Session:
         self.enable_thinking = enable_thinking
         self.preserve_thinking = preserve_thinking
         self.tools = tools
-        self.max_tokens = max_tokens
+        self.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         self.context_window = context_window or engine.entry.context_window
+        if max_tokens is not None:  # chosen (the default is checked where a turn uses it)
+            _check_fits(max_tokens, self.context_window)
         self.history: list[list[dict]] = []  # completed exchanges
         self.pending: list[dict] = []  # the current exchange while tool calls are open
         self.seq = CachedSequence(engine)
@@ -437,12 +448,7 @@ class Session:
         self.stop_warm()  # our own warm-up: stop it before reading the history it reads
         max_tokens = self.max_tokens if max_tokens is None else max_tokens
         _check_count("max_tokens", max_tokens, 1)
-        if max_tokens >= self.context_window:
-            raise ValueError(
-                f"max_tokens {max_tokens} {'exceeds' if max_tokens > self.context_window else 'fills'}"
-                f" the context window ({self.context_window} tokens), which must hold the prompt "
-                "and the answer"
-            )
+        _check_fits(max_tokens, self.context_window)
         _check_text(current, "messages")
         prompt = self.render(current, max_tokens, tools)
         if options:
