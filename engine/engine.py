@@ -330,6 +330,13 @@ def load(
     with every layer gathered in: they are the files one process writes (only rank 0 needs
     `cache_dir`, and the session store), and resume under any split or none.
     """
+    if isinstance(model, str) and not model.strip():  # Path("") would be the current folder
+        raise ValueError("model must be a registry alias, a checkpoint folder or a Hub id, got ''")
+    for name, value in (("cache_bytes", cache_bytes), ("disk_cache_bytes", disk_cache_bytes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 0):  # fmt: skip
+            raise ValueError(f"{name} must be a number of bytes (an integer >= 0) or None, "
+                             f"got {value!r}")  # fmt: skip
     spec = speculation(speculative, num_draft)
     if shard not in (None, "pipeline"):
         raise ValueError(f"shard must be 'pipeline' or None, got {shard!r}")

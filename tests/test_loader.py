@@ -35,6 +35,27 @@ def test_unknown_name():
         engine.load("no-such-model")
 
 
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"cache_bytes": "1GB"}, "cache_bytes must be a number of bytes"),
+        ({"cache_bytes": -5}, "cache_bytes must be a number of bytes"),
+        ({"cache_bytes": 1.5e9}, "cache_bytes must be a number of bytes"),
+        ({"disk_cache_bytes": -1}, "disk_cache_bytes must be a number of bytes"),
+        ({"model": ""}, "model must be a registry alias, a checkpoint folder or a Hub id"),
+    ],
+)
+def test_bad_load_arguments_are_refused_before_loading(monkeypatch, options, message):
+    import engine.engine
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(engine.engine, "_load", no_load)
+    with pytest.raises(ValueError, match=message):
+        engine.load(**{"model": "tiny", **options})
+
+
 def test_truncated_safetensors(copy_of_tiny):
     f = copy_of_tiny / "model.safetensors"
     f.write_bytes(f.read_bytes()[:100_000])
