@@ -33,11 +33,13 @@ def response_format_spec(fmt: object) -> dict | None:
         if not isinstance(inner, dict) or not isinstance(inner.get("schema"), (dict, bool)):
             raise ValueError("response_format.json_schema must be an object with a 'schema'")
         return {"type": "json_schema", "json_schema": {"schema": inner["schema"]}}
-    if kind in ("regex", "lark") and isinstance(fmt.get(kind), str):
-        return {"type": kind, kind: fmt[kind]}
-    raise ValueError(
-        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}"
-    )
+    if kind in ("regex", "lark"):
+        if isinstance(fmt.get(kind), str):
+            return {"type": kind, kind: fmt[kind]}
+        raise ValueError(f"response_format.{kind} must be a string (the {kind} grammar the answer "
+                         f"matches), got {fmt.get(kind)!r}")  # fmt: skip
+    raise ValueError("response_format.type must be 'text', 'json_object', 'json_schema', "
+                     f"'regex' or 'lark', got {kind!r}")  # fmt: skip
 
 
 def thinking_budget(

@@ -14,6 +14,7 @@ import pydantic
 import pytest
 from helpers import openai_client
 
+import engine
 from engine.runtime.generate import decode, prefill
 from engine.runtime.grammar import GrammarProcessor
 from engine.runtime.sampling import Sampler, SamplingParams
@@ -143,8 +144,12 @@ def test_bad_constraints_raise_naming_them(tiny):
         with pytest.raises(ValueError) as e:
             tiny.chat_stream(ok, **options)
         assert e.value.param == param, (options, e.value)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must be 'text', 'json_object', 'json_schema', "
+                                         "'regex' or 'lark', got 'yaml'"):  # fmt: skip
         tiny.session().send("hi", response_format={"type": "yaml"})
+    for kind in ("regex", "lark"):  # accepted types: the message says what is wrong with it
+        with pytest.raises(engine.ChatError, match=f"response_format.{kind} must be a string"):
+            tiny.chat(ok, response_format={"type": kind, kind: 5})
 
 
 # A JSON string argument may hold the markup that ends it in the template's format.
