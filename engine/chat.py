@@ -326,9 +326,14 @@ class Chat:
         elif name == "/save":
             self._save(arg or None)
         else:
-            _err(f"unknown command {name} (/help lists them; //... sends a question that "
-                 "starts with '/')")  # fmt: skip
+            self._failed(f"unknown command {name} (/help lists them; //... sends a question "
+                         "that starts with '/')")  # fmt: skip
         return True
+
+    def _failed(self, message: str) -> None:
+        """A command that could not do its work: said, and counted (the exit status)."""
+        self.failures += 1
+        _err(message)
 
     def _history(self) -> None:
         h = self.session.history
@@ -359,7 +364,7 @@ class Chat:
     def _regenerate(self) -> None:
         s = self.session
         if not s.history:
-            _err("error: there is no exchange to redo")
+            self._failed("error: there is no exchange to redo")
             return
         o = self.options
         greedy = o.get("temperature", 0.0) == 0
@@ -377,11 +382,11 @@ class Chat:
         from .storage.store import SessionIdError
 
         if self.args.no_history:
-            _err("error: --no-history keeps no conversation to save")
+            self._failed("error: --no-history keeps no conversation to save")
             return
         if self.stored is not None:
             if session_id and session_id != self.stored.id:
-                _err(f"error: already saving as {self.stored.id!r}")
+                self._failed(f"error: already saving as {self.stored.id!r}")
                 return
             with _shielded():
                 self.stored.save_state()
@@ -393,7 +398,7 @@ class Chat:
                 self.stored = self.store.attach(session_id, self.session, self.turns,
                                                 model=self.model)  # fmt: skip
         except (SessionIdError, FileExistsError) as e:
-            _err(f"error: {e}")
+            self._failed(f"error: {e}")
             return
         _err(f"[saved session {session_id}: resume it with chatml chat --session {session_id}]")
 

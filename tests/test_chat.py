@@ -73,7 +73,7 @@ def test_double_slash_sends_a_question_that_starts_with_a_slash():
     sid = new_id("slash")
     r = chatml("chat", "--max-tokens", "2", "--session", sid,
                stdin="/nonsense\n//etc/hosts is what?\n")  # fmt: skip
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr  # the unknown command failed
     assert "unknown command /nonsense" in r.stderr
     assert len(STATS.findall(r.stdout)) == 1  # only the escaped line was a question
     assert [t["messages"][0]["content"] for t in turns(sid)] == ["/etc/hosts is what?"]
@@ -81,10 +81,27 @@ def test_double_slash_sends_a_question_that_starts_with_a_slash():
 
 def test_no_history_sends_independent_prompts():
     r = chatml("chat", "--no-history", "--max-tokens", "3", stdin="Hello\nHello\nHello\n/save\n")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr  # the /save failed
     prompts = [int(m[0]) for m in STATS.findall(r.stdout)]
     assert len(prompts) == 3 and prompts[0] == prompts[1] == prompts[2]
     assert "--no-history keeps no conversation to save" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        ("/bogus\n", "unknown command /bogus"),
+        ("/regenerate\n", "error: there is no exchange to redo"),
+        ("Hi\n/save other\n", "error: already saving as"),
+        ("Hi\n/history\n/stats\n/help\n/save\n", None),  # all done: status 0
+    ],
+)
+def test_a_failed_command_in_a_pipe_makes_the_exit_status_1(lines, message):
+    r = chatml("chat", "--max-tokens", "2", "--session", new_id("cmd"), stdin=lines)
+    if message is None:
+        assert r.returncode == 0, r.stderr
+    else:
+        assert r.returncode == 1 and message in r.stderr, r.stderr
 
 
 def test_no_history_with_a_session_is_refused_and_the_conversation_kept():
