@@ -54,13 +54,18 @@ _TYPICAL_MESSAGE = "x " * 64
 
 
 class TurnConflict(RuntimeError):
-    """A turn that cannot run: another turn of the session is running (an open stream), or
-    its stream was made before the session's last turn (its prompt lacks that exchange)."""
+    """A turn that cannot run: another turn of the session is running (an open stream, or a
+    turn on another thread), or its stream was made before the session's last turn (its
+    prompt lacks that exchange)."""
 
 
-_BUSY = (
-    "this session is still answering (an unfinished stream?): finish or close that stream "
-    "before the next turn"
+_BUSY_STREAM = (
+    "this session is still answering: a stream of it is open on this thread; finish or close "
+    "that stream before the next turn"
+)
+_BUSY_THREAD = (
+    "this session is still answering a turn started on another thread (a session answers one "
+    "turn at a time): wait for it to end, or give each thread its own session"
 )
 
 
@@ -175,6 +180,7 @@ class Session:
         self._warmed: dict = {}  # sequence -> (start, end) warm() computed there (turn stats)
         self._warming: Job | None = None  # a queued or running warm_in_background()
         self._answering = threading.Lock()  # held while a turn runs (an open stream)
+        self._answerer: int | None = None  # the thread whose turn holds it (for the message)
         self._recorded = 0  # turns recorded and resets: a stream made before the last is stale
 
     # ----- public API -------------------------------------------------------------------
@@ -409,7 +415,10 @@ class Session:
     def _check_idle(self) -> None:
         """Refuse to change the session while one of its streams is open (mid-turn)."""
         if self._answering.locked():
-            raise TurnConflict(_BUSY)
+            raise TurnConflict(self._busy())
+
+    def _busy(self) -> str:
+        return _BUSY_STREAM if self._answerer == threading.get_ident() else _BUSY_THREAD
 
     # ----- one turn ---------------------------------------------------------------------
 
@@ -468,7 +477,8 @@ class Session:
     def _run(self, recorded: int, prompt, current, sampler, max_tokens, validate, ignore_eos,
              tools, t0) -> Iterator:  # fmt: skip
         if not self._answering.acquire(blocking=False):
-            raise TurnConflict(_BUSY)
+            raise TurnConflict(self._busy())
+        self._answerer = threading.get_ident()
         finished: list = []  # the model thread's turn, once its job has returned (`_answer`)
         before = self._state()
         try:
@@ -491,6 +501,7 @@ class Session:
                 self._take_back(*finished[0])
             raise
         finally:
+            self._answerer = None
             self._answering.release()
         yield turn
 

@@ -308,6 +308,34 @@ def test_a_turn_during_an_open_stream_is_refused_and_changes_nothing(tiny):
     assert len(s.history) == 3
 
 
+def test_a_turn_while_another_thread_runs_one_is_refused_saying_so(tiny):
+    import threading
+
+    s = tiny.session("sys")
+    inside, release, done = threading.Event(), threading.Event(), []
+
+    def hold(turn):  # the other thread's turn stays open until released
+        inside.set()
+        assert release.wait(60)
+
+    other = threading.Thread(target=lambda: done.append(
+        s.send(QUESTIONS[0], max_tokens=MAX_TOKENS, validate=hold)))  # fmt: skip
+    other.start()
+    try:
+        assert inside.wait(60)
+        with pytest.raises(engine.TurnConflict, match="a turn started on another thread"):
+            s.send(QUESTIONS[1], max_tokens=MAX_TOKENS)
+    finally:
+        release.set()
+        other.join(60)
+    assert done and len(s.history) == 1
+    stream = s.stream(QUESTIONS[1], max_tokens=MAX_TOKENS)
+    next(stream)
+    with pytest.raises(engine.TurnConflict, match="a stream of it is open on this thread"):
+        s.send(QUESTIONS[2], max_tokens=MAX_TOKENS)
+    stream.close()
+
+
 def test_reset_during_an_open_stream_is_refused_and_the_session_stays_exact(tiny):
     s = tiny.session("sys")
     st = s.stream("Hello", max_tokens=MAX_TOKENS)
