@@ -307,8 +307,8 @@ def test_a_too_long_prompt_on_completions_reads_right(server):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
-    assert f"but the messages take {WINDOW + 1} tokens" in error["message"]
-    assert "prompt take" not in error["message"] and "drops prompt" not in error["message"]
+    assert f"but the prompt takes {WINDOW + 1} tokens. Shorten the prompt." in error["message"]
+    assert "messages" not in error["message"] and "drops prompt" not in error["message"]
 
 
 # ----- tools and content (issue item 9) -----------------------------------------------------

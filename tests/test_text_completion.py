@@ -147,6 +147,17 @@ def test_a_string_prompt_that_cannot_fit_is_refused_before_tokenizing(tiny, serv
     assert "at least" in r.json()["error"]["message"] and not calls
 
 
+def test_a_prompt_and_completion_past_the_window_speak_of_the_prompt(server):
+    r = httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "model": "tiny", "prompt": [100] * (WINDOW - 10), "max_tokens": 20})  # fmt: skip
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert (
+        error["param"] == "max_tokens" and "in the prompt, 20 in the completion" in error["message"]
+    )
+    assert "messages" not in error["message"]
+
+
 def test_generated_logprobs_equal_a_teacher_forced_forward_pass(tiny, server):
     c = client(server)
     prompt = "Counting: one, two,"

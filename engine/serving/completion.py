@@ -430,15 +430,20 @@ def prepare(
     return request, renderer.render(request)
 
 
-def output_budget(request: ChatRequest, prompt_tokens: int, window: int, default: int) -> int:
-    """max_tokens for the request; ApiError(400) if the prompt leaves no room in the window."""
+def output_budget(request: ChatRequest, prompt_tokens: int, window: int, default: int, *,
+                  prompt: str = "messages") -> int:  # fmt: skip
+    """max_tokens for the request; ApiError(400) if the prompt leaves no room in the window.
+    `prompt`: what the client sent, as the errors call it ("messages", or a raw "prompt")."""
     if prompt_tokens >= window:
+        takes, shorten = {
+            "messages": ("the messages take", "the conversation (the server never drops messages)"),
+            "prompt": ("the prompt takes", "the prompt"),
+        }[prompt]  # fmt: skip
         raise ApiError(
             400,
-            f"This model's maximum context length is {window} tokens, but the messages take "
-            f"{prompt_tokens} tokens. Shorten the conversation (the server never drops "
-            "messages).",
-            param="messages",
+            f"This model's maximum context length is {window} tokens, but {takes} "
+            f"{prompt_tokens} tokens. Shorten {shorten}.",
+            param=prompt,
             code="context_length_exceeded",
         )
     if request.max_tokens is None:
@@ -447,8 +452,8 @@ def output_budget(request: ChatRequest, prompt_tokens: int, window: int, default
         raise ApiError(
             400,
             f"This model's maximum context length is {window} tokens. However, you requested "
-            f"{prompt_tokens + request.max_tokens} tokens ({prompt_tokens} in the messages, "
-            f"{request.max_tokens} in the completion). Reduce the length of the messages or "
+            f"{prompt_tokens + request.max_tokens} tokens ({prompt_tokens} in the {prompt}, "
+            f"{request.max_tokens} in the completion). Reduce the length of the {prompt} or "
             "the completion.",
             param="max_tokens",
             code="context_length_exceeded",

@@ -130,7 +130,8 @@ def translate(body: Any, tokenizer, window: int, defaults: Mapping | None = None
             raise _too_long(window, len(ids))
     else:
         try:
-            request.max_tokens = output_budget(request, len(ids), window, DEFAULT_MAX_TOKENS)
+            request.max_tokens = output_budget(request, len(ids), window, DEFAULT_MAX_TOKENS,
+                                               prompt="prompt")  # fmt: skip
         except ApiError as e:
             raise origins.error(e) from None
     return CompletionRequest(request, prompt, echo, logprobs)
