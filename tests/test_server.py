@@ -315,6 +315,26 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408(tiny):
         assert ask(client(srv), [{"role": "user", "content": "hi"}]).choices  # it serves on
 
 
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "content-length"])
+def test_a_body_too_large_is_a_413_and_the_connection_closes(tiny, chunked):
+    """The rest of the body is never read: the connection is closed with the 413, not left
+    waiting for bytes the client may still send."""
+    config = ServerConfig(port=0, context_window=WINDOW, warm=False, prepare_grammar=False,
+                          max_body_bytes=1000)  # fmt: skip
+    with BackgroundServer(tiny, config) as srv:
+        address = srv.url.removeprefix("http://")
+        host, port = address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            length = "Transfer-Encoding: chunked" if chunked else "Content-Length: 5000"
+            sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {address}\r\n"
+                         f"{length}\r\n\r\n".encode())  # fmt: skip
+            part = b'{"messages": "' + b"x" * 1500
+            sock.sendall(b"%x\r\n%s\r\n" % (len(part), part) if chunked else part)
+            status, body = read_response(sock)  # until the server closes (socket timeout: 30 s)
+        assert status == 413 and body["error"]["code"] == "body_too_large"
+        assert ask(client(srv), [{"role": "user", "content": "hi"}]).choices  # it serves on
+
+
 def stream_until_stopped(url: str, stop) -> list[str]:
     """The lines of a long stream after its first content: `stop()` is called there."""
     with httpx.Client(timeout=60) as h:

@@ -172,9 +172,9 @@ def _is_anthropic(path: str) -> bool:
 
 
 def _close(e: ApiError) -> dict | None:
-    # After a 408 the rest of the body may never come: the connection cannot serve another
-    # request, so it is closed rather than left waiting for it.
-    return {"Connection": "close"} if e.status == 408 else None
+    # After a 408 or a 413 the rest of the body is unread (and may never come): the connection
+    # cannot serve another request, so it is closed rather than left waiting for it.
+    return {"Connection": "close"} if e.status in (408, 413) else None
 
 
 def _shaped(request: Request, e: ApiError) -> JSONResponse:
