@@ -256,20 +256,27 @@ class GrammarProcessor(LogitsProcessor):
         self.active = start_after is None  # else: waits for that token (`</think>`)
         self.start_after = start_after
         self.stops = frozenset(engine.stop_ids)
+        self._masked_stops: mx.array | None = None  # `_stop_mask`
         self.drafted = 0  # draft tokens the matcher holds (`draft`), undone by `restore`
         self._words = (self.llt.vocab_size + 31) // 32
 
     def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
         if not self.active:
-            vocab = mx.arange(logits.shape[-1])
-            stop = mx.any(vocab[:, None] == mx.array(sorted(self.stops))[None, :], axis=-1)
-            return mx.where(stop, -mx.inf, logits)
+            return mx.where(self._stop_mask(logits.shape[-1]), -mx.inf, logits)
         if self.overlap:  # the model computes this step while the host computes its mask
             mx.async_eval(logits)
         bits = np.zeros(self._words, dtype=np.int32)
         self.matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
         allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[: logits.shape[-1]]
         return mx.where(mx.array(allowed.astype(bool)), logits, -mx.inf)
+
+    def _stop_mask(self, vocab: int) -> mx.array:
+        """`[vocab]`, True at the stop tokens: made once, not at every step of the reasoning."""
+        if self._masked_stops is None or self._masked_stops.shape[0] != vocab:
+            mask = np.zeros(vocab, dtype=bool)
+            mask[sorted(self.stops)] = True
+            self._masked_stops = mx.array(mask)
+        return self._masked_stops
 
     def accept(self, tokens: Sequence[int]) -> None:
         for t in tokens:
