@@ -20,7 +20,6 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 from renderer import Prompt, PromptTooLong, SegmentCache, build_prompt, split_conversation
-from renderer.validation import json_path, json_problem
 
 from .checkpoints.tokenizer import StreamDecoder
 from .constraints import GrammarError, check_constraint, constraint_spec, make_sampler
@@ -35,6 +34,7 @@ from .serving.completion import (
     OutputText,
     Renderer,
     _partial_suffix,
+    check_body,
     output_budget,
     parse_request,
 )
@@ -352,8 +352,8 @@ def openai_message(turn: Turn) -> Message:
 
 def chat_stream(engine, messages: list[dict], *, tools=None, tool_choice=None, max_tokens=None,
                 temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
-                presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=None, enable_thinking=None, preserve_thinking=None,
-                max_exchanges=None, context_window=None, warm=True, response_format=None,
+                presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=None,
+                enable_thinking=None, preserve_thinking=None, max_exchanges=None, context_window=None, warm=True, response_format=None,
                 logprobs=None, top_logprobs=None, max_thinking_tokens=None,
                 reasoning_effort=None) -> Iterator[str | Turn]:  # fmt: skip
     """`Engine.chat_stream`: everything is checked here, before the generator is made."""
@@ -379,13 +379,9 @@ def chat_stream(engine, messages: list[dict], *, tools=None, tool_choice=None, m
         "max_thinking_tokens": max_thinking_tokens, "reasoning_effort": reasoning_effort,
     }  # fmt: skip
     body = {k: v for k, v in body.items() if v is not None}
-    problem = json_problem(body)  # what the server's decode_body refuses (surrogates, depth)
-    if problem:
-        keys, reason = problem
-        param = json_path("", keys)
-        raise ChatError(f"{param}: {reason}", param, "invalid_value")
     chat = engine.stateless
     try:
+        check_body(body)  # what the server refuses in any body (surrogates, depth)
         request = parse_request(body)
         prepared = chat.prepare(request, window=context_window, max_exchanges=max_exchanges)
     except ApiError as e:

@@ -106,12 +106,18 @@ def decode_body(raw: bytes) -> Any:
         body = loads_json(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
         raise _bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    check_body(body)
+    return body
+
+
+def check_body(body: Any) -> None:
+    """ApiError(400) naming the field for what no later step can take: lone surrogates,
+    nesting too deep, integers of thousands of digits (`renderer.validation.json_problem`)."""
     problem = json_problem(body)
     if problem:
         keys, reason = problem
         param = json_path("", keys) or None
         raise _bad(f"{param or 'the body'}: {reason}", param, "invalid_value")
-    return body
 
 
 def _number(body: Mapping, name: str, lo: float, hi: float, default: float | None) -> float | None:
