@@ -378,15 +378,20 @@ def test_a_stop_cancels_running_requests_at_once(tiny):
     assert not srv._thread.is_alive()
 
 
-def test_sigterm_cancels_requests_and_exits(tiny, tmp_path):
-    """`chatml serve` gets SIGTERM while it streams and while a client holds a half-sent
-    body: the stream ends with an error event, the body gets a 503, the server exits 0."""
-    log = tmp_path / "server.log"
-    proc = subprocess.Popen(
+def serve_process(log) -> subprocess.Popen:
+    """`chatml serve` on tiny in a process of its own: the banner on stdout, the log in `log`."""
+    return subprocess.Popen(
         [sys.executable, "-m", "engine.cli", "serve", "--model", "tiny", "--port", "0",
          "--no-disk-cache", "--no-warm"],
         stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
     )  # fmt: skip
+
+
+def test_sigterm_cancels_requests_and_exits(tiny, tmp_path):
+    """`chatml serve` gets SIGTERM while it streams and while a client holds a half-sent
+    body: the stream ends with an error event, the body gets a 503, the server exits 0."""
+    log = tmp_path / "server.log"
+    proc = serve_process(log)
     watchdog = threading.Timer(300, proc.kill)  # a hung server fails the test, not the run
     watchdog.start()
     try:
@@ -409,11 +414,7 @@ def test_a_stop_as_soon_as_the_banner_shows_is_clean(tmp_path):
     default SIGTERM killed the process there), and the interpreter waits for llguidance's
     tokenizer build, which runs then (a daemon thread inside it crashed the exit, SIGSEGV)."""
     log = tmp_path / "server.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "serve", "--model", "tiny", "--port", "0",
-         "--no-disk-cache", "--no-warm"],
-        stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
-    )  # fmt: skip
+    proc = serve_process(log)
     try:
         assert " on http://" in proc.stdout.readline()
         proc.send_signal(signal.SIGTERM)

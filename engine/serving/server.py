@@ -560,7 +560,7 @@ class ServerApp:
         self._check_queue()
         job = self.worker.submit(prepared, emit, warm=warm and self.config.warm)
         mine.append(job)
-        self.jobs = {j for j in self.jobs if not j.done.is_set()} | {job}
+        self._track(job)
         watcher = asyncio.ensure_future(_watch_disconnect(request, job))
         try:
             first = await events.get()
@@ -687,6 +687,10 @@ class ServerApp:
             ident, int(time.time()), model, echo + text, turn.finish_reason, usage, logprobs
         ))  # fmt: skip
 
+    def _track(self, job: Job) -> None:
+        """Count `job` among this server's unfinished requests (a stop cancels them)."""
+        self.jobs = {j for j in self.jobs if not j.done.is_set()} | {job}
+
     async def _score(self, request: Request, ids: list[int], top: int) -> list:
         """The prompt's logprobs (`text_completion.prompt_logprobs`), computed on the model
         thread in chunks between the other requests' steps; cancelled if the client leaves."""
@@ -699,7 +703,7 @@ class ServerApp:
 
         make = partial(text_completion.prompt_logprobs, self.engine, ids, top)
         job = self.engine.worker.spawn(make, lambda item: None, end)
-        self.jobs = {j for j in self.jobs if not j.done.is_set()} | {job}
+        self._track(job)
         watcher = asyncio.ensure_future(_watch_disconnect(request, job))
         try:
             kind, value = await ended.get()
