@@ -214,8 +214,10 @@ class StatelessChat:
             max_thinking_tokens=request.max_thinking_tokens,
             top_logprobs=request.top_logprobs_or_none,
         )  # fmt: skip
+        stops = snapshot_points(prompt)
+        branch = self.pool.branch_point(prompt.ids, stops | {seq.reusable(prompt.ids, own=True)})
         tokens = seq.generate(
-            prompt.ids, stops=snapshot_points(prompt), sampler=sampler,
+            prompt.ids, stops=stops if branch is None else stops | {branch}, sampler=sampler,
             max_tokens=prepared.max_tokens, progress=progress,
         )  # fmt: skip
         sent = 0  # logprobs sent in events

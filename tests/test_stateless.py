@@ -14,6 +14,7 @@ import pytest
 from helpers import CALL, QUESTIONS, RESULT, TOOLS, fresh_greedy
 
 import engine
+from engine.runtime.pool import BRANCH_MIN
 from engine.serving.completion import parse_request
 from engine.serving.server import BackgroundServer, ServerConfig
 
@@ -170,6 +171,30 @@ def test_a_sliding_window_snapshots_only_where_a_later_request_resumes():
     turn = eng.chat(branch, max_tokens=MAX_TOKENS, warm=False)
     assert turn.stats.reused_tokens == render(branch).boundaries.system_end
     assert turn.token_ids == fresh_greedy(eng, turn.prompt_ids, MAX_TOKENS)[0]
+
+
+def test_prompts_sharing_a_document_snapshot_where_they_fork_and_a_third_resumes_there():
+    """Requests that paste the same document with different questions fork inside the user
+    message, where no boundary lies. The second prefills everything after the system block and
+    leaves a snapshot at the fork (`pool.BRANCH_MIN` tokens or more past the last one); a third
+    resumes there. Answers equal a fresh prefill."""
+    eng = engine.load("tiny")
+    system = {"role": "system", "content": "Answer from the document."}
+    document = " ".join(f"Clause {k}: the tenant keeps garden {k} tidy." for k in range(20))
+    turns = []
+    for question in ("What does clause 3 say?", "Who keeps the gardens?", "Is it tidy?"):
+        messages = [system, {"role": "user", "content": f"{document}\n\n{question}"}]
+        turn = eng.chat(messages, max_tokens=MAX_TOKENS, warm=False)
+        assert turn.token_ids == fresh_greedy(eng, turn.prompt_ids, MAX_TOKENS)[0]
+        turns.append(turn)
+    first, second, third = (t.prompt_ids for t in turns)
+    fork = max(n for n in range(len(second)) if first[:n] == second[:n])
+    request = parse_request({"messages": [system, {"role": "user", "content": "?"}]})
+    system_end = eng.stateless.renderer.render(request).boundaries.system_end
+    assert turns[1].stats.reused_tokens == system_end
+    assert fork - system_end >= BRANCH_MIN
+    assert third[:fork] == first[:fork] and third[fork] not in (first[fork], second[fork])
+    assert turns[2].stats.reused_tokens == fork
 
 
 def test_the_engine_byte_budget_holds_for_the_pool():

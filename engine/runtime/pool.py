@@ -11,11 +11,11 @@ conversation it branched from keeps its cache. All sequences count against `engi
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from .cache import KVCache, MTPCache
 from .generate import eval_caches
-from .sequence import CachedSequence
+from .sequence import CachedSequence, common_prefix
 from .snapshot import tick
 
 # Conversations kept resumable. The byte budget is what bounds their memory (it evicts the
@@ -23,6 +23,12 @@ from .snapshot import tick
 # than the clients a server has (e.g. 16 agents against a batch of 8) and each conversation's
 # next turn finds its slot taken and prefills from scratch.
 DEFAULT_SEQUENCES = 32
+
+# A prompt that leaves a cached one this many tokens past the last snapshot below the fork
+# snapshots there too (see `SequencePool.branch_point`): a third prompt on the same prefix
+# resumes there. The snapshot costs tens of ms and its bytes under the budget; the prefill it
+# spares costs more from a few dozen tokens on (BENCHMARKS.md, "Prefill").
+BRANCH_MIN = 64
 
 
 class PooledSequence(CachedSequence):
@@ -118,6 +124,20 @@ class SequencePool:
                 break
             self.sequences.remove(min(idle, key=lambda s: s.stamp))
         return seq
+
+    def branch_point(self, ids: Sequence[int], points: Iterable[int]) -> int | None:
+        """Where `ids` leaves the longest prefix any sequence holds, if no position of `points`
+        (where the request restores or snapshots) lies within `BRANCH_MIN` tokens below it,
+        and the prompt goes on past it; else None.
+
+        Recurrent state cannot be rolled back, so two prompts sharing a long prefix inside a
+        segment (a document with different questions, few-shot prompts) share nothing unless a
+        snapshot lies at the fork: the second prompt prefills in full and leaves one there.
+        """
+        held = (s.filling if s.busy else s.tokens for s in self.sequences)
+        fork = max((common_prefix(t, ids) for t in held), default=0)
+        below = max((p for p in points if p <= fork), default=0)
+        return fork if fork - below >= BRANCH_MIN and fork < len(ids) else None
 
     def _from_disk(self, disk, entry, exclude) -> PooledSequence | None:
         """A slot holding a disk entry's prefix (None if the entry failed its checks)."""

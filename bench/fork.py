@@ -1,0 +1,93 @@
+"""Prompts that share a pasted document: `python -m bench.fork [--model tiny --clauses 40]`.
+
+A client sends `--questions` requests in turn, each the same system prompt and one user message:
+the same document of `--clauses` sentences, then a different question. The prompts fork inside
+that message, where the renderer marks no boundary, so nothing past the system block is
+shared unless the pool snapshots at the fork (`engine.runtime.pool.BRANCH_MIN`). Each round
+runs the requests with fork snapshots on and off (`BRANCH_MIN` out of reach: the engine before
+them), on one engine, with a system prompt of the round's own (nothing shared between rounds
+but a few tokens), alternating over `--repeats` rounds so both share the moments of a noisy machine. Reports each request's
+time to first token and reused tokens; the answers' greedy tokens are compared between the
+two (they must be equal). Prints a line per round, then JSON (`--json` writes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from bench.common import conditions, model_path, write_json
+
+QUESTIONS = [
+    "What does clause 3 say?",
+    "Who keeps the gardens?",
+    "When is garden 9 watered?",
+    "How fast is damage reported?",
+    "Which clause names garden 12?",
+    "Is watering ever skipped?",
+]
+
+
+def document(clauses: int) -> str:
+    return " ".join(
+        f"Clause {k}: the tenant keeps garden {k} tidy, waters it on day {k % 7}, and reports "
+        f"damage within {k + 2} days."
+        for k in range(clauses)
+    )
+
+
+def run_round(eng, pool, args, salt: str, fork_snapshots: bool) -> dict:
+    saved = pool.BRANCH_MIN
+    pool.BRANCH_MIN = saved if fork_snapshots else 1 << 62
+    system = {"role": "system", "content": f"Round {salt}. Answer from the document."}
+    text = document(args.clauses)
+    ttft, reused, answers = [], [], []
+    try:
+        for question in QUESTIONS[: args.questions]:
+            messages = [system, {"role": "user", "content": f"{text}\n\n{question}"}]
+            turn = eng.chat(messages, max_tokens=args.max_tokens, warm=False)
+            ttft.append(round(turn.stats.ttft_s, 4))
+            reused.append(turn.stats.reused_tokens)
+            answers.append(turn.token_ids)
+    finally:
+        pool.BRANCH_MIN = saved
+    return {"fork_snapshots": fork_snapshots, "prompt_tokens": len(turn.prompt_ids),
+            "ttft_s": ttft, "reused_tokens": reused, "answers": answers,
+            "load_average": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m bench.fork", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny", help="registry name or checkpoint folder")
+    p.add_argument(
+        "--clauses", type=int, default=40, help="the document's sentences (~30 tokens each)"
+    )
+    p.add_argument("--questions", type=int, default=4, choices=range(2, len(QUESTIONS) + 1))
+    p.add_argument("--max-tokens", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    import engine
+    from engine.runtime import pool
+
+    eng = engine.load(str(model_path(args.model)))
+    rounds = []
+    for r in range(args.repeats):
+        for on in (False, True):
+            x = run_round(eng, pool, args, salt=f"{r}{'on' if on else 'off'}", fork_snapshots=on)
+            rounds.append({"round": r, **x})
+            pairs = " ".join(f"{t:.2f}s/{n}" for t, n in zip(x["ttft_s"], x["reused_tokens"]))
+            print(f"round {r} fork snapshots {'on ' if on else 'off'}: {x['prompt_tokens']} "
+                  f"tokens, TTFT/reused {pairs} | load {x['load_average']}", flush=True)  # fmt: skip
+    off = [x["answers"] for x in rounds if not x["fork_snapshots"]]
+    on = [x["answers"] for x in rounds if x["fork_snapshots"]]
+    result = {"model": args.model, "clauses": args.clauses, "rounds": rounds,
+              "answers_equal": off == on, **conditions()}  # fmt: skip
+    print(json.dumps(result))
+    write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
