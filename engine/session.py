@@ -69,8 +69,8 @@ _BUSY_THREAD = (
 )
 
 
-def _check_options(system, tools, enable_thinking, preserve_thinking, max_exchanges, max_tokens,
-                   context_window) -> None:  # fmt: skip
+def _check_options(system, tools, enable_thinking, preserve_thinking, max_exchanges, max_tokens
+                   ) -> None:  # fmt: skip
     """Reject a session option of the wrong type or range when the session is made, not at
     its first turn."""
     if system is not None and not isinstance(system, str):
@@ -86,8 +86,6 @@ def _check_options(system, tools, enable_thinking, preserve_thinking, max_exchan
     _check_count("max_exchanges", max_exchanges, 0)
     if max_tokens is not None:
         _check_count("max_tokens", max_tokens, 1)
-    if context_window is not None:
-        _check_count("context_window", context_window, 1)
 
 
 def _check_text(value, where: str) -> None:
@@ -130,6 +128,20 @@ def _check_fits(max_tokens: int, window: int) -> None:
         )
 
 
+def resolve_window(engine, window: int | None) -> int:
+    """The context window a session or request gets: `window`, or the model's by default. A
+    window past the positions the model was trained for (its config's max_position_embeddings)
+    is refused: attention there is out of distribution and answers degrade without warning."""
+    if window is None:
+        return engine.entry.context_window
+    _check_count("context_window", window, 1)
+    limit = engine.entry.arch.max_position_embeddings
+    if window > limit:
+        raise ValueError(f"context_window {window} is past {engine.entry.name}'s {limit} "
+                         "positions (max_position_embeddings in its config)")  # fmt: skip
+    return window
+
+
 def _check_count(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an integer, got {value!r}")
@@ -154,7 +166,7 @@ class Session:
         special_tokens_in_content: str = "text",
     ):
         _check_options(system, tools, enable_thinking, preserve_thinking, max_exchanges,
-                       max_tokens, context_window)  # fmt: skip
+                       max_tokens)  # fmt: skip
         # "text": special token strings in message text stay text (no role forgery); "parse":
         # they become control tokens, as in transformers (README: Special tokens in messages).
         self.special_tokens_in_content = check_special_mode(special_tokens_in_content)
@@ -165,7 +177,7 @@ class Session:
         self.preserve_thinking = preserve_thinking
         self.tools = tools
         self.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-        self.context_window = context_window or engine.entry.context_window
+        self.context_window = resolve_window(engine, context_window)
         if max_tokens is not None:  # chosen (the default is checked where a turn uses it)
             _check_fits(max_tokens, self.context_window)
         self.history: list[list[dict]] = []  # completed exchanges

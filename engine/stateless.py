@@ -38,6 +38,7 @@ from .serving.completion import (
     output_budget,
     parse_request,
 )
+from .session import resolve_window
 from .turn import Turn, make_turn
 
 log = logging.getLogger("chatml.server")
@@ -363,10 +364,10 @@ def chat_stream(engine, messages: list[dict], *, tools=None, tool_choice=None, m
                                       or not isinstance(max_exchanges, int) or max_exchanges < 0):  # fmt: skip
         raise ChatError(f"max_exchanges must be an integer >= 0 or None, got {max_exchanges!r}",
                         "max_exchanges", "invalid_value")  # fmt: skip
-    if context_window is not None and (isinstance(context_window, bool)
-                                       or not isinstance(context_window, int) or context_window < 1):  # fmt: skip
-        raise ChatError(f"context_window must be an integer >= 1 or None, got {context_window!r}",
-                        "context_window", "invalid_value")  # fmt: skip
+    try:
+        resolve_window(engine, context_window)
+    except (TypeError, ValueError) as e:
+        raise ChatError(str(e), "context_window", "invalid_value") from None
     if not isinstance(warm, bool):
         raise ChatError(f"warm must be True or False, got {warm!r}", "warm", "invalid_type")
     kwargs = {"enable_thinking": enable_thinking, "preserve_thinking": preserve_thinking}

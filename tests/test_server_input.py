@@ -726,3 +726,8 @@ def test_warm_up_after_two_tool_calls_prepares_up_to_their_results(tiny, monkeyp
         assert r.status_code == 200, r.text
         first_result = prompt.boundaries.message_starts[-2]
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == first_result
+
+
+def test_a_context_window_past_the_models_positions_is_refused_when_the_server_is_made(tiny):
+    with pytest.raises(ValueError, match="context_window 262145 is past tiny's 262144 positions"):
+        create_app(tiny, ServerConfig(port=0, context_window=262_145))

@@ -561,6 +561,8 @@ def test_max_tokens_beyond_the_context_window_says_so(tiny, extra):
         ({"max_exchanges": 2.5}, TypeError, "max_exchanges must be an integer"),
         ({"max_tokens": 0}, ValueError, "max_tokens must be >= 1"),
         ({"context_window": "4k"}, TypeError, "context_window must be an integer"),
+        ({"context_window": 262_145}, ValueError,
+         r"context_window 262145 is past tiny's 262144 positions \(max_position_embeddings"),
         ({"enable_thinking": "yes"}, TypeError, "enable_thinking must be True, False or None"),
         ({"preserve_thinking": 1}, TypeError, "preserve_thinking must be True, False or None"),
         ({"tools": {"name": "f"}}, TypeError, "tools must be a list"),

@@ -248,6 +248,8 @@ def test_bad_input_raises_chat_error_naming_it_before_any_work(tiny):
         (ok, {"max_tokens": 0}, "max_tokens"),
         (ok, {"max_tokens": 10, "context_window": 20}, "max_tokens"),  # 13 + 10 > 20
         (ok, {"max_exchanges": -1}, "max_exchanges"),
+        (ok, {"context_window": 262_145}, "context_window"),  # past max_position_embeddings
+        (ok, {"context_window": 0}, "context_window"),
         (ok, {"warm": "no"}, "warm"),
         (ok, {"top_logprobs": 3}, "top_logprobs"),
     ]

@@ -48,6 +48,7 @@ from ..runtime import grammar
 from ..runtime.batch import DEFAULT_MAX_BATCH, DEFAULT_PASS_TOKENS
 from ..runtime.pool import DEFAULT_SEQUENCES
 from ..runtime.worker import Job
+from ..session import resolve_window
 from ..stateless import DEFAULT_MAX_TOKENS, PreparedChat, openai_message
 from ..turn import Turn
 from . import messages, responses, text_completion
@@ -273,7 +274,7 @@ class ServerApp:
     def __init__(self, engine, config: ServerConfig):
         self.engine = engine
         self.config = config
-        self.window = config.context_window or engine.entry.context_window
+        self.window = resolve_window(engine, config.context_window)
         self.sampling = engine.sampling_defaults if config.sampling is None else config.sampling
         self.renderer = Renderer(
             engine, self.window, special_tokens_in_content=config.special_tokens_in_content
