@@ -5,10 +5,10 @@ the same document of `--clauses` sentences, then a different question. The promp
 that message, where the renderer marks no boundary, so nothing past the system block is
 shared unless the pool snapshots at the fork (`engine.runtime.pool.BRANCH_MIN`). Each round
 runs the requests with fork snapshots on and off (`BRANCH_MIN` out of reach: the engine before
-them), on one engine, with a system prompt of the round's own (nothing shared between rounds
-but a few tokens), alternating over `--repeats` rounds so both share the moments of a noisy machine. Reports each request's
-time to first token and reused tokens; the answers' greedy tokens are compared between the
-two (they must be equal). Prints a line per round, then JSON (`--json` writes it).
+them), each on a fresh engine, with a system prompt of the round's own, alternating over
+`--repeats` rounds so both share the moments of a noisy machine. Reports each request's time to
+first token and reused tokens, and whether the greedy answers of each round are equal with and
+without. Prints a line per run, then JSON (`--json` writes it).
 """
 
 from __future__ import annotations
@@ -37,7 +37,11 @@ def document(clauses: int) -> str:
     )
 
 
-def run_round(eng, pool, args, salt: str, fork_snapshots: bool) -> dict:
+def run_round(folder: str, args, salt: int, fork_snapshots: bool) -> dict:
+    import engine
+    from engine.runtime import pool
+
+    eng = engine.load(folder)
     saved = pool.BRANCH_MIN
     pool.BRANCH_MIN = saved if fork_snapshots else 1 << 62
     system = {"role": "system", "content": f"Round {salt}. Answer from the document."}
@@ -68,14 +72,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
-    import engine
-    from engine.runtime import pool
-
-    eng = engine.load(str(model_path(args.model)))
+    folder = str(model_path(args.model))
     rounds = []
     for r in range(args.repeats):
         for on in (False, True):
-            x = run_round(eng, pool, args, salt=f"{r}{'on' if on else 'off'}", fork_snapshots=on)
+            x = run_round(folder, args, salt=r, fork_snapshots=on)
             rounds.append({"round": r, **x})
             pairs = " ".join(f"{t:.2f}s/{n}" for t, n in zip(x["ttft_s"], x["reused_tokens"]))
             print(f"round {r} fork snapshots {'on ' if on else 'off'}: {x['prompt_tokens']} "

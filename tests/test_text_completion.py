@@ -16,6 +16,7 @@ from helpers import SERVER_WINDOW, fresh_greedy
 from helpers import openai_client as client
 
 from engine.runtime.batch import WAIT
+from engine.runtime.pool import BRANCH_MIN
 from engine.serving.text_completion import LOGPROB_CHUNK, prompt_logprobs
 
 WINDOW = SERVER_WINDOW
@@ -132,6 +133,22 @@ def test_the_same_prompt_again_reuses_all_but_its_last_token(tiny, server):
     assert again.usage.prompt_tokens_details.cached_tokens == len(ids) - 1
     expected, _ = fresh_greedy(tiny, ids, 5)
     assert first.choices[0].text == again.choices[0].text == tiny.tokenizer.decode(expected)
+
+
+def test_few_shot_prompts_resume_at_their_fork_from_the_third_on(tiny, server):
+    """Raw prompts that share a long prefix (few-shot examples) and differ after it: the second
+    leaves a snapshot at the fork, the third and later resume there (`pool.BRANCH_MIN`)."""
+    c = client(server)
+    rng = np.random.default_rng(7)
+    shots = [int(i) for i in rng.integers(100, 5000, BRANCH_MIN + 20)]
+    cached = []
+    for _ in range(4):
+        ids = shots + [int(i) for i in rng.integers(5000, 9000, 6)]  # a question of its own
+        r = complete(c, ids)
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        expected, _ = fresh_greedy(tiny, ids, 5)
+        assert r.choices[0].text == tiny.tokenizer.decode(expected)
+    assert cached[:2] == [0, 0] and cached[2:] == [len(shots), len(shots)]
 
 
 def test_a_string_prompt_that_cannot_fit_is_refused_before_tokenizing(tiny, server, monkeypatch):
