@@ -56,6 +56,7 @@ def run_round(folder: str, args, salt: int, fork_snapshots: bool) -> dict:
             answers.append(turn.token_ids)
     finally:
         pool.BRANCH_MIN = saved
+        eng.close()  # its model thread holds the weights until stopped
     return {"fork_snapshots": fork_snapshots, "prompt_tokens": len(turn.prompt_ids),
             "ttft_s": ttft, "reused_tokens": reused, "answers": answers,
             "load_average": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
