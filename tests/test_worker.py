@@ -6,9 +6,11 @@ before the work (for leaks).
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
+import weakref
 
 import pytest
 from helpers import QUESTIONS, fresh_greedy
@@ -191,6 +193,27 @@ def test_fifty_warm_ups_leave_no_thread_behind(tiny):
     assert os_threads() <= os_before
     turn = s.send(QUESTIONS[2], max_tokens=MAX_TOKENS)
     assert turn.token_ids == fresh_greedy(tiny, turn.prompt_ids, MAX_TOKENS)[0]
+
+
+def test_an_engine_its_user_drops_is_collected_and_its_model_thread_ends():
+    """Nothing but the user's references keeps an engine: dropped, it is collected and its
+    finalizer stops the model thread. The thread's loop had held its last task, whose closure
+    held the engine: every `engine.load` in a process kept the one before (3 GB each on the
+    0.8B)."""
+    eng = engine.load("tiny")
+    eng.chat([{"role": "user", "content": QUESTIONS[0]}], max_tokens=MAX_TOKENS)  # warms too
+    stream = eng.chat_stream([{"role": "user", "content": QUESTIONS[1]}], max_tokens=MAX_TOKENS)
+    next(stream)
+    stream.close()  # a stream left early
+    s = eng.session("sys")
+    s.send(QUESTIONS[2], max_tokens=MAX_TOKENS)
+    s.warm_in_background().wait(60)
+    thread, gone = eng.worker._thread, weakref.ref(eng)
+    del eng, stream, s
+    gc.collect()
+    assert gone() is None
+    thread.join(60)
+    assert not thread.is_alive()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -243,8 +243,7 @@ class ModelThread:
         while not self.stopping.is_set():
             self._wake.clear()  # before looking: a request that comes after wakes the wait
             busy = self._take_jobs()
-            for task in list(self._tasks):
-                busy |= self._advance(task)
+            busy |= self._advance_all()
             if self.batch is not None and self.batch.pending:
                 self._gather([t for t in self._tasks if t.behind])
                 with self.lock:
@@ -272,6 +271,15 @@ class ModelThread:
                 dropped.append(job)
         for job in dropped:
             job.drop(WorkerStopped("the engine's model thread stopped before this job ran"))
+
+    def _advance_all(self) -> bool:
+        """One round of the running tasks. A method of its own so that no loop variable in
+        `_serve` holds the last task while the thread waits: that task's closure holds its
+        engine, which then could never be collected (nor this thread stopped by its finalizer)."""
+        busy = False
+        for task in list(self._tasks):
+            busy |= self._advance(task)
+        return busy
 
     def _take_jobs(self) -> bool:
         """Start what was submitted: tasks join the round (up to max_tasks), plain jobs run
