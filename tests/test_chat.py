@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.chat import AnswerRejected, schema_validator
+from engine.cli import main
 from engine.storage.store import SessionStore
 
 STATS = re.compile(r"^\[prompt (\d+) tok: reused (\d+), prefilled (\d+); generated (\d+);", re.M)
@@ -378,6 +379,16 @@ def test_bench_help_lists_every_benchmark():
     assert runnable <= listed, runnable - listed
     unknown = chatml("bench", "nope")
     assert unknown.returncode == 2 and "known: " in unknown.stderr and "prefill" in unknown.stderr
+
+
+def test_a_bench_that_returns_its_results_exits_0_and_one_that_fails_exits_1(monkeypatch):
+    """`chatml bench render` returns its results as a dict (sys.exit printed that dict to
+    stderr and exited 1); a bench's own int status still passes through."""
+    from bench import render
+
+    assert main(["bench", "render"]) == 0
+    monkeypatch.setattr(render, "main", lambda: 1)
+    assert main(["bench", "render"]) == 1
 
 
 def test_a_new_session_says_where_it_is_saved_and_show_has_no_none():
