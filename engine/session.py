@@ -347,7 +347,9 @@ class Session:
         window drops exchanges the caches hold would overwrite them (a shorter message or a
         regenerate would then prefill everything again), so it is prefilled in the spare
         sequence, started from the system block. A warm-up never makes a turn prefill more
-        than it would without it."""
+        than it would without it. A predicted prompt that cannot fit the window (the session's
+        max_tokens fills it, or the message does not fit beside the system block) is skipped:
+        no turn like it can run."""
         if self.pending or self._answering.locked() or cancelled():
             return 0  # a stream began first: it needs no warm-up
 
@@ -356,7 +358,10 @@ class Session:
 
         done, spared = 0, False
         for message in (_SHORTEST_MESSAGE, _TYPICAL_MESSAGE):
-            prompt = self.render([{"role": "user", "content": message}], self.max_tokens)
+            try:
+                prompt = self.render([{"role": "user", "content": message}], self.max_tokens)
+            except PromptTooLong:
+                continue  # no such turn fits the window: nothing to prepare for it
             b = prompt.boundaries
             prefix = prompt.ids[: b.message_starts[-1]]  # up to the new user message
             seq, at = self.seq, self.seq.reusable(prefix, need_logits=False, own=True)

@@ -133,3 +133,21 @@ def test_a_warm_up_never_makes_the_next_turn_prefill_more(tiny, shape):
         assert (turn.prompt_ids, turn.token_ids) == (expected.prompt_ids, expected.token_ids)
     assert mispredicted or shape == "max-exchanges"  # the shape the test is about did occur
     assert turn.stats.dropped_exchanges > 0  # and the window did trim
+
+
+def test_a_prediction_that_cannot_fit_the_window_is_skipped_not_raised(tiny):
+    """warm() predicts the next prompt for two message lengths; one that cannot fit the token
+    budget (the session's max_tokens fills the window, or a typical message does not fit
+    beside a long system prompt) is not a turn anyone asked for: warm() skips it, does the
+    predictions that fit, and the next turn answers as a fresh prefill does."""
+    too_big = tiny.session("sys", context_window=300)  # the default max_tokens (512) > 300
+    too_big.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    assert too_big.warm() == 0
+    # The shortest message fits beside the system prompt; the typical one does not.
+    s = tiny.session("word " * 180, context_window=300, max_tokens=50, max_exchanges=1)
+    s.send(QUESTIONS[7], max_tokens=MAX_TOKENS)
+    assert s.render([{"role": "user", "content": "x"}], 50).dropped == 0
+    assert s.warm() > 0
+    turn = s.send("ok", max_tokens=MAX_TOKENS)
+    assert turn.stats.warm_tokens > 0
+    assert turn.token_ids == fresh_greedy(tiny, turn.prompt_ids, MAX_TOKENS)[0]
