@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from inspect import signature
 
 from renderer import PromptTooLong, SegmentCache, build_prompt
-from renderer.validation import json_problem, validate_tools
+from renderer.validation import check_text_only, json_problem, validate_tools
 
 from .checkpoints.tokenizer import StreamDecoder, check_special_mode
 from .constraints import (
@@ -476,6 +476,7 @@ class Session:
         _check_count("max_tokens", max_tokens, 1)
         _check_fits(max_tokens, self.context_window)
         _check_text(current, "messages")
+        check_text_only(current)  # no vision tower: image/video placeholders would read nothing
         prompt = self.render(current, max_tokens, tools)
         if options:
             spec = constraint_spec(self.engine, options["format"], options["forced"])

@@ -283,6 +283,24 @@ def test_bad_input_raises_before_touching_anything(tiny):
     assert s.tokens == tokens and s.seq.snapshots == snaps and len(s.history) == 1
 
 
+@pytest.mark.parametrize("part", [{"type": "image", "image": "cat.png"},
+                                  {"type": "image_url", "image_url": {"url": "data:,"}},
+                                  {"type": "video", "video": "clip.mp4"}])  # fmt: skip
+def test_image_and_video_parts_are_refused_as_engine_chat_refuses_them(tiny, part):
+    """The engine runs the text model only: a session must not feed the template's vision
+    placeholders to it with nothing behind them (Engine.chat and the server refuse them)."""
+    s = tiny.session("sys")
+    s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
+    tokens, snaps, history = list(s.tokens), dict(s.seq.snapshots), list(s.history)
+    content = [part, {"type": "text", "text": "What is this?"}]
+    with pytest.raises(ValueError, match="input is not supported"):
+        tiny.chat([{"role": "user", "content": content}], max_tokens=MAX_TOKENS)
+    for attempt in (s.send, s.edit_last):
+        with pytest.raises(ValueError, match="input is not supported: this engine runs the text"):
+            attempt(content, max_tokens=MAX_TOKENS)
+    assert s.tokens == tokens and s.seq.snapshots == snaps and s.history == history
+
+
 def test_a_turn_during_an_open_stream_is_refused_and_changes_nothing(tiny):
     s = tiny.session("sys")
     s.send(QUESTIONS[0], max_tokens=MAX_TOKENS)
