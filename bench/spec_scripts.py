@@ -155,7 +155,7 @@ def cache_error(model, caches, tokens, next_token: int = 198) -> tuple[float, fl
     """How far the target's `caches` (an MTP head's left out) are from a fresh prefill of
     `tokens`: the largest state difference relative to max(1, that state's largest magnitude),
     and the largest difference of the logits one more step (`next_token`) gives. The caches
-    are left as they were."""
+    are left as they were. Empty caches (no tokens) equal a fresh prefill of nothing."""
     import mlx.core as mx
     import numpy as np
 
@@ -171,9 +171,12 @@ def cache_error(model, caches, tokens, next_token: int = 198) -> tuple[float, fl
     state = 0.0
     for a, b in zip(ours, fresh):
         assert isinstance(a, (KVCache, RecurrentCache)) and a.offset == b.offset
-        pairs = zip(a.state, b.state) if isinstance(a, KVCache) else \
-            [(a.conv, b.conv), (a.state, b.state)]  # fmt: skip
+        pairs = zip(a.state or (None, None), b.state or (None, None)) \
+            if isinstance(a, KVCache) else [(a.conv, b.conv), (a.state, b.state)]  # fmt: skip
         for x, y in pairs:
+            if x is None or y is None:  # nothing fed yet (an empty sequence): equal if both
+                state = max(state, 0.0 if x is None and y is None else float("inf"))
+                continue
             x, y = np.array(x), np.array(y)
             scale = max(1.0, float(np.abs(y).max(initial=0.0)))
             state = max(state, float(np.abs(x - y).max(initial=0.0)) / scale)

@@ -286,6 +286,19 @@ def test_randomized_session_scripts_draft_exactly(script_engine, drafter, seed):
         assert row["accepted"] == row["drafted"]
 
 
+def test_a_script_that_leaves_the_session_empty_is_checked_not_crashed(script_engine):
+    """Script 116 (no system prompt, two exchanges kept) ends with two interrupted turns that
+    trim the window: each rolls back to its restore point, position 0, so the session's caches
+    end empty. The cache check compares empty caches (equal) instead of failing on them."""
+    from bench import spec_scripts
+
+    eng = script_engine
+    assert cache_error(eng.model, eng.model.make_caches(), []) == (0.0, 0.0)
+    spec = spec_scripts.speculations(eng, ["oracle"], 3, reject=0.3)["oracle"]
+    row = spec_scripts.check(eng, 116, spec)
+    assert row["actions"][-2:] == ["interrupt", "interrupt"] and row["problems"] == []
+
+
 def test_the_scripts_play_every_turn_shape():
     """Guards the seeds above: the oracle's scripts (rejections at every position) and the
     MTP head's (its own cache) each play every turn shape."""
