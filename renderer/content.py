@@ -72,6 +72,10 @@ def tojson(value: Any, index: int | None = None, field: str | None = None) -> st
         raise RenderError(
             f"value is not JSON serializable: {e}", index=index, field=field
         ) from None
+    except RecursionError:  # the template's tojson raises it too
+        raise RenderError(
+            "value is nested too deeply to serialize as JSON", index=index, field=field
+        ) from None
 
 
 def is_iterable_sequence(value: Any) -> bool:

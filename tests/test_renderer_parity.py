@@ -229,3 +229,27 @@ def test_errors_name_index_and_reason(messages: list, index: int | None, reason:
         assert f"message {index}" in str(info.value)
     with pytest.raises(Exception):  # noqa: B017 - and the template raises too
         reference_render(messages, "qwen3.5")
+
+
+def _nested(depth: int) -> dict:
+    value: dict = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.parametrize("where", ["arguments", "tools"])
+def test_nesting_past_the_recursion_limit_raises_render_error(where: str) -> None:
+    """JSON too deep for json.dumps: the template raises (RecursionError in its tojson), and
+    so must we, as a RenderError naming the field, not a bare RecursionError."""
+    deep = _nested(sys.getrecursionlimit() + 100)
+    messages: list[dict] = [U]
+    tools = None
+    if where == "arguments":
+        call = {"function": {"name": "f", "arguments": {"x": deep}}}
+        messages = [U, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    else:
+        tools = [{"type": "function", "function": {"name": "f", "parameters": deep}}]
+    for variant in VARIANT_NAMES:
+        ref, ours = _both(messages, variant, {"tools": tools})
+        _check(ref, ours, f"{variant} deep {where}")
