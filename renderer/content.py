@@ -63,6 +63,30 @@ def to_text(value: Any) -> str:
     return value if isinstance(value, str) else str(value)
 
 
+_JSON_SCALARS = (str, int, float, type(None))  # bool is an int
+_MAX_DEPTH = 1000  # Python's default recursion limit: json.dumps fails before it
+
+
+def data_text(value: Any, index: int | None, field: str) -> str:
+    """``{{ value }}`` of caller data (a text part's text, a qwen3.5 scalar argument).
+
+    transformers hands the template JSON data only, with any other object replaced by a
+    "<type>" placeholder string; like non-JSON content, such values are refused here
+    (RenderError), never printed another way (``str(b"x")`` is "b'x'")."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (Mapping, list, tuple)):
+            if depth >= _MAX_DEPTH:  # as deep as json.dumps goes (a container in itself too)
+                raise RenderError("a value nested this deep is not JSON data", index=index,
+                                  field=field)  # fmt: skip
+            items = [*item.keys(), *item.values()] if isinstance(item, Mapping) else item
+            stack.extend((child, depth + 1) for child in items)
+        elif not isinstance(item, _JSON_SCALARS) and item is not UNDEFINED:
+            raise RenderError(f"a {type(item).__name__} is not JSON data", index=index, field=field)
+    return to_text(value)
+
+
 def tojson(value: Any, index: int | None = None, field: str | None = None) -> str:
     """transformers' ``tojson`` filter: ``json.dumps`` with ``ensure_ascii=False`` and defaults
     otherwise (separators ``', '`` and ``': '``, no indent, keys in insertion order)."""
@@ -146,7 +170,7 @@ def render_content(
                     out.append(f"Video {counter.videos if counter else 0}: ")
                 _placeholder(out, VIDEO_PLACEHOLDER, marks)
             elif contains(item, "text", index):
-                out.append(to_text(attr(item, "text")))
+                out.append(data_text(attr(item, "text"), index, "content"))
             else:
                 raise RenderError("Unexpected item type in content.", index=index, field="content")
         return "".join(out)

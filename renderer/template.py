@@ -17,6 +17,7 @@ from .content import (
     UNDEFINED,
     VisionCounter,
     attr,
+    data_text,
     is_iterable_sequence,
     render_content,
     to_text,
@@ -258,7 +259,7 @@ def _argument_text(value: Any, spec: Variant, index: int, j: int, key: str) -> s
     # (True -> "True", None -> "None").
     if isinstance(value, (Mapping, list, tuple)):
         return tojson(value, index, field)
-    return to_text(value)
+    return data_text(value, index, field)
 
 
 def _assistant(

@@ -253,3 +253,23 @@ def test_nesting_past_the_recursion_limit_raises_render_error(where: str) -> Non
     for variant in VARIANT_NAMES:
         ref, ours = _both(messages, variant, {"tools": tools})
         _check(ref, ours, f"{variant} deep {where}")
+
+
+@pytest.mark.parametrize("value", [b"ab", {1, 2}, 1 + 2j, range(3), [b"x"]],
+                         ids=["bytes", "set", "complex", "range", "list-of-bytes"])  # fmt: skip
+@pytest.mark.parametrize("where", ["argument", "text-part"])
+def test_values_that_are_not_json_are_refused_not_printed_another_way(value, where) -> None:
+    """transformers hands the template JSON data only (anything else becomes a "<type>"
+    placeholder string first), so a Python object the caller passes renders as, e.g.,
+    "<bytes>" there. We refuse such values (a RenderError, as for non-JSON content), never
+    print them another way (`str(value)`: "b'ab'")."""
+    if where == "argument":
+        call = {"function": {"name": "f", "arguments": {"x": value}}}
+        messages = [U, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    else:
+        messages = [{"role": "user", "content": [{"type": "text", "text": value}]}]
+    for variant in VARIANT_NAMES:
+        reference = reference_render(messages, variant)
+        assert f"<{type(value).__name__}>" in reference or "<bytes>" in reference
+        with pytest.raises(RenderError, match="not JSON"):
+            render_messages(messages, variant=variant)
