@@ -158,6 +158,20 @@ def test_corrupt_and_truncated_log_lines_are_skipped(tiny, store, saved):
     assert again.skipped == 3
 
 
+@pytest.mark.parametrize("junk", [b"[" * 100_000, b'{"a":' * 100_000])
+def test_a_deeply_nested_junk_line_is_skipped_not_fatal(tiny, store, saved, junk):
+    """A line of nested brackets (binary junk, a bad edit) once raised RecursionError out of
+    the JSON parser: the session could not be opened, listed or shown at all."""
+    log = _clone(store, saved, "deep") / LOG
+    lines = log.read_bytes().split(b"\n")
+    log.write_bytes(b"\n".join(lines[:2] + [junk] + lines[2:]))
+    with store.open("deep", tiny) as s:
+        assert [ex[0]["content"] for ex in s.session.history] == QUESTIONS[:3]
+        assert s.state_loaded
+    assert store.ids() == ["deep"] and store.read("deep").skipped == 1
+    assert any("skipped line 3: unreadable" in w for w in store.warn), store.warn
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
 def test_corrupt_state_is_ignored_and_the_log_kept(tiny, store, saved, damage):
     sid = f"st-{damage}"

@@ -109,7 +109,7 @@ def read_log(path: Path, warn: Callable[[str], None]) -> SessionLog:
         try:
             rec = json.loads(raw.decode("utf-8"))
             why = _check_record(rec)
-        except (UnicodeDecodeError, ValueError) as e:
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # junk nests deep
             rec, why = None, f"unreadable ({e.__class__.__name__})"
         if why is not None:
             last = lineno == len(lines) and not data.endswith(b"\n")
