@@ -229,6 +229,30 @@ def test_disk_budget_deletes_least_recently_used(eng, disk):
     assert held == {len(ids[0]) - 1, len(ids[2]) - 1}  # the second one, least recent, went
 
 
+def test_a_failed_encode_does_not_stop_the_writer(eng, disk, monkeypatch, caplog):
+    """An error other than OSError while encoding (MemoryError on a long state) once killed
+    the writer thread: that entry stayed queued (its arrays held in RAM) for ever, and the
+    next one was never written, so `flush` (the server's shutdown) never returned."""
+    from engine.storage.state_file import CapturedState
+
+    def out_of_memory(self):
+        raise MemoryError
+
+    ids = [prompt_of(eng, conversation(n)).ids for n in (5, 6)]
+    with eng.lock:
+        monkeypatch.setattr(CapturedState, "encode", out_of_memory)
+        disk.store(prefix_seq(eng, ids[0][:-1]), len(ids[0]) - 1)
+        disk.flush()
+        monkeypatch.undo()
+        assert not disk._pending and disk.lookup(ids[0]) is None
+        disk.store(prefix_seq(eng, ids[1][:-1]), len(ids[1]) - 1)
+        flushed = threading.Thread(target=disk.flush, daemon=True)
+        flushed.start()
+        flushed.join(60)  # a guard only: with a live writer the flush returns at once
+        assert not flushed.is_alive() and disk.lookup(ids[1]) is not None and disk.writes == 1
+    assert "not written (MemoryError" in caplog.text
+
+
 def test_crash_mid_write_leaves_nothing_that_loads(eng, disk, tmp_path):
     ids = prompt_of(eng, conversation(8)).ids
     with eng.lock:

@@ -298,10 +298,9 @@ class DiskCache:
     def _write(self, entry: Entry) -> None:
         """Write a queued entry, then index it; until then `lookup` finds it in `_pending`
         and `restore` takes its arrays from RAM (they are dropped once the file is in place)."""
-        try:
-            atomic_write(entry.path, entry.captured.encode())
-        except OSError as e:
-            log.warning("%s: not written (%s); that prefix will be prefilled", entry.path, e)
+        problem = self._put(entry)
+        if problem is not None:
+            log.warning("%s: not written (%s); that prefix will be prefilled", entry.path, problem)
             with self._guard:
                 self._pending.pop(entry.key, None)
             return
@@ -312,6 +311,15 @@ class DiskCache:
             self.writes += 1
             self._evict()
         entry.captured = None  # a `restore` that took it as pending reads the file instead
+
+    def _put(self, entry: Entry) -> str | None:
+        """Encode and write an entry's file; why it was not written, if it was not."""
+        try:
+            data = entry.captured.encode()
+            atomic_write(entry.path, data)
+        except Exception as e:  # disk full, no memory to encode: the writer must go on
+            return f"{e.__class__.__name__}: {e}"
+        return None
 
     def _evict(self) -> None:
         """Delete least recently used entries until the folder fits the budget (guard held)."""
