@@ -229,6 +229,22 @@ def test_disk_budget_deletes_least_recently_used(eng, disk):
     assert held == {len(ids[0]) - 1, len(ids[2]) - 1}  # the second one, least recent, went
 
 
+def test_an_entry_larger_than_the_budget_evicts_nothing(eng, disk):
+    """One entry bigger than the whole budget once deleted every other entry (oldest
+    first, to make room) and then itself: the cache ended empty."""
+    short, long = (prompt_of(eng, conversation(n)).ids for n in (5, 6))
+    long = long + long  # more KV rows: more bytes
+    with eng.lock:
+        disk.store(prefix_seq(eng, short[:-1]), len(short) - 1)
+        disk.flush()
+        kept = set(disk._index)
+        disk.max_bytes = disk.nbytes  # room for this entry only
+        assert disk.store(prefix_seq(eng, long[:-1]), len(long) - 1)
+        disk.flush()
+    assert set(disk._index) == kept and disk.nbytes <= disk.max_bytes
+    assert not disk._pending and len(list(disk.ns.iterdir())) == 1
+
+
 def test_a_failed_encode_does_not_stop_the_writer(eng, disk, monkeypatch, caplog):
     """An error other than OSError while encoding (MemoryError on a long state) once killed
     the writer thread: that entry stayed queued (its arrays held in RAM) for ever, and the

@@ -316,6 +316,8 @@ class DiskCache:
         """Encode and write an entry's file; why it was not written, if it was not."""
         try:
             data = entry.captured.encode()
+            if len(data) > self.max_bytes:  # it would evict every other entry, then itself
+                return f"{len(data)} bytes, more than the whole budget of {self.max_bytes}"
             atomic_write(entry.path, data)
         except Exception as e:  # disk full, no memory to encode: the writer must go on
             return f"{e.__class__.__name__}: {e}"
