@@ -245,6 +245,23 @@ def test_an_entry_larger_than_the_budget_evicts_nothing(eng, disk):
     assert not disk._pending and len(list(disk.ns.iterdir())) == 1
 
 
+def test_the_budget_holds_from_the_start(eng, disk):
+    """A cache reopened with a smaller budget (or less free space) stayed over it until
+    its next write: a read-mostly server kept more on disk than it was given."""
+    ids = [prompt_of(eng, conversation(n)).ids for n in (5, 6, 7)]
+    with eng.lock:
+        for x in ids:
+            disk.store(prefix_seq(eng, x[:-1]), len(x) - 1)
+            disk.flush()
+    for used, path in enumerate(sorted(disk._index, key=lambda p: int(p.name.split("-")[0]))):
+        os.utime(path, (used, used))  # the LRU order a restart reads: the longest is newest
+    newest = path
+    budget = disk.nbytes // 2
+    reopened = eng.attach_disk(disk.dir, budget, min_tokens=8)
+    assert reopened.nbytes <= budget and list(reopened._index) == [newest]
+    assert sorted(reopened.ns.iterdir()) == [newest]
+
+
 def test_a_failed_encode_does_not_stop_the_writer(eng, disk, monkeypatch, caplog):
     """An error other than OSError while encoding (MemoryError on a long state) once killed
     the writer thread: that entry stayed queued (its arrays held in RAM) for ever, and the

@@ -190,6 +190,7 @@ class DiskCache:
             ours = path.parent == self.ns
             self._index[path] = Entry(path, int(m[1]) if ours else 0, m[2], st.st_size,
                                       st.st_mtime)  # fmt: skip
+        self._evict()  # a budget smaller than last time's holds from the start
 
     @property
     def entries(self) -> int:
