@@ -340,11 +340,36 @@ def test_a_failed_state_save_leaves_the_previous_state(tiny, store, saved, monke
             raise OSError("disk full")
 
         monkeypatch.setattr(os, "fsync", disk_full)
-        with pytest.raises(OSError):
+        with pytest.raises(OSError, match=f"disk full: '{store.path('atom') / STATE}'"):
             s.save_state()
         monkeypatch.undo()
     assert (store.path("atom") / STATE).read_bytes() == good
     assert not list(store.path("atom").glob("*.tmp"))
+
+
+def test_a_failed_log_write_names_the_log_and_leaves_it_as_it_was(tiny, store, monkeypatch):
+    """A turn whose line could not be made durable (disk full at fsync) raised an OSError
+    that named no file, yet left its line in the log: a resume replayed the exchange the
+    caller had been told was not saved."""
+    with store.open("nolog", tiny, system=SYSTEM) as s:
+        _turns(s, QUESTIONS[:1])
+        log = s.dir / LOG
+        before = log.read_bytes()
+        turn = s.session.send(QUESTIONS[1], max_tokens=MAX)
+
+        def disk_full(fd):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(os, "fsync", disk_full)
+        with pytest.raises(OSError, match="No space left") as e:
+            s.append_turn(turn)
+        monkeypatch.undo()
+        assert str(log) in str(e.value) and log.read_bytes() == before
+        assert len(s.session.history) == 2  # the conversation in memory is unharmed
+        _turns(s, QUESTIONS[2:3])  # the disk has room again: the next turn is logged
+    again = read_log(log, store.warn)
+    assert [ex[0]["content"] for ex in again.history] == [QUESTIONS[0], QUESTIONS[2]]
+    assert again.skipped == 0 and not store.warn
 
 
 def test_bfloat16_arrays_round_trip_bit_exactly():

@@ -3,8 +3,9 @@
 Layout of `<CHATML_HOME>/sessions/<id>/`:
 
 - `log.jsonl`: one JSON record a line (a header, then turns, resets and option changes). Lines
-  are appended with flush + fsync and never rewritten, so a crash loses at most the line being
-  written. Each record carries a checksum of its own content; a line that does not parse or
+  are appended with fsync and never rewritten, so a crash loses at most the line being
+  written; a line that fails to write (disk full) is cut off again, so it is neither replayed
+  nor glued to the next one. Each record carries a checksum of its own content; a line that does not parse or
   whose checksum fails is skipped with a warning, and the records around it are kept.
 - `state.safetensors`: the caches after the last logged turn (the token ids, the live KV and
   recurrent caches, the recurrent arrays of every snapshot), written atomically. It is used only
@@ -78,6 +79,17 @@ def _fsync_dir(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+@contextlib.contextmanager
+def _naming(path: Path):
+    """Let an OSError of the block name `path` where it names no file (write, fsync)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
 
 
 def _default_warn(message: str) -> None:
@@ -303,9 +315,20 @@ class StoredSession:
     # ----- writing ----------------------------------------------------------------------
 
     def _write(self, data: bytes) -> None:
-        self._log.write(data)
-        self._log.flush()
-        os.fsync(self._log.fileno())
+        """Append `data` to the log durably, or leave the log as it was and raise an OSError
+        that names it: a torn line would swallow the next one, an unsynced one is replayed."""
+        fd = self._log.fileno()
+        with _naming(self.dir / LOG):
+            end = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, end)  # we hold the lock: nobody else appends
+                raise
 
     @staticmethod
     def _encode(record: dict) -> bytes:
@@ -383,12 +406,13 @@ class StoredSession:
 
     def _write_state(self, captured: CapturedState, background: bool = False) -> None:
         try:
-            atomic_write(self.dir / STATE, captured.encode())
+            with _naming(self.dir / STATE):
+                atomic_write(self.dir / STATE, captured.encode())
             _fsync_dir(self.dir)
         except OSError as e:
             if not background:
                 raise
-            self.store.warn(f"{self.dir / STATE}: not saved ({e}); resuming will prefill instead")
+            self.store.warn(f"session {self.id!r}: state not saved ({e}); resuming will prefill")
 
     def close(self) -> None:
         self.wait_saved()
