@@ -287,8 +287,7 @@ class Chat:
             if not turn.tool_calls:
                 self.turns.append(turn)
             if self.stored is not None:
-                self.stored.append_turn(turn)
-                self.stored.save_state(background=True)  # the next prompt need not wait
+                self._persist("the exchange", self._log_turn, turn)
         self.last = turn
         t = self.totals
         t["turns"] += 1
@@ -297,6 +296,21 @@ class Chat:
         t["generated"] += turn.stats.generated_tokens
         if self.args.stats or not self.interactive:
             print(_stats_line(turn), file=sys.stderr if self.interactive else out, flush=True)
+        return True
+
+    def _log_turn(self, turn) -> None:
+        self.stored.append_turn(turn)
+        self.stored.save_state(background=True)  # the next prompt need not wait
+
+    def _persist(self, what: str, write, *args) -> bool:
+        """Write to the session's files, shielded from Ctrl+C; a failure (disk full, a
+        read-only folder) is an error that names the file, and the conversation goes on."""
+        try:
+            with _shielded():
+                write(*args)
+        except OSError as e:
+            self._failed(f"error: {what} was not saved: {e}")
+            return False
         return True
 
     # ----- slash commands ---------------------------------------------------------------
@@ -311,11 +325,10 @@ class Chat:
             for cmd, what in COMMANDS.items():
                 print(f"  {cmd:<12} {what}")
         elif name == "/reset":
+            if self.stored is not None and not self._persist("/reset", self.stored.record_reset):
+                return True  # logged first: a reset the log does not hold is not done
             self.session.reset()
             self.turns = []
-            if self.stored is not None:
-                with _shielded():
-                    self.stored.record_reset()
             _err("[conversation cleared]")
         elif name == "/history":
             self._history()
@@ -388,16 +401,15 @@ class Chat:
             if session_id and session_id != self.stored.id:
                 self._failed(f"error: already saving as {self.stored.id!r}")
                 return
-            with _shielded():
-                self.stored.save_state()
-            _err(f"[saved session {self.stored.id} in {self.stored.dir}]")
+            if self._persist("the session state", self.stored.save_state):
+                _err(f"[saved session {self.stored.id} in {self.stored.dir}]")
             return
         session_id = session_id or time.strftime("chat-%Y%m%d-%H%M%S")
         try:
             with _shielded():
                 self.stored = self.store.attach(session_id, self.session, self.turns,
                                                 model=self.model)  # fmt: skip
-        except (SessionIdError, FileExistsError) as e:
+        except (SessionIdError, OSError) as e:  # FileExistsError, or the disk: nothing kept
             self._failed(f"error: {e}")
             return
         _err(f"[saved session {session_id}: resume it with chatml chat --session {session_id}]")

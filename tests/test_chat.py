@@ -482,6 +482,46 @@ def test_ctrl_c_as_the_answer_is_handed_over_is_not_recorded_anywhere(tiny, tmp_
     assert all(prompt.count(q) == 1 for q in QUESTIONS[:2])
 
 
+def test_a_disk_error_while_saving_is_an_error_and_the_chat_goes_on(tiny, tmp_path, monkeypatch,
+                                                                     capsys):  # fmt: skip
+    """Disk full while logging a turn, a /reset or a /save raised out of Chat: `chatml chat`
+    died with a traceback and the conversation in memory was lost with it. Each is now an
+    error naming the file; the answer stays in the conversation, /reset changes nothing."""
+    from engine.chat import Chat
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    store = SessionStore(tmp_path, warn=lambda m: None)
+    args = SimpleNamespace(json_schema=None, max_tokens=4, temperature=0.0, seed=None,
+                           no_history=False, stats=False, warm=False)  # fmt: skip
+    log = store.path("full") / "log.jsonl"
+    with store.open("full", tiny, system=SYSTEM) as stored:
+        chat = Chat(args, tiny, stored.session, stored, store, "tiny", interactive=False)
+        assert chat.ask(QUESTIONS[0])
+        stored.wait_saved()
+        before = log.read_bytes()
+        monkeypatch.setattr(os, "fsync", disk_full)
+        assert chat.ask(QUESTIONS[1])  # answered: kept in this conversation, not logged
+        chat.command("/reset")
+        chat.command("/save")
+        monkeypatch.undo()
+        assert [ex[0]["content"] for ex in chat.session.history] == QUESTIONS[:2]
+        assert log.read_bytes() == before and chat.failures == 3
+        err = capsys.readouterr().err
+        assert err.count(f"No space left on device: '{log}'") == 2
+        assert f"No space left on device: '{log.parent / 'state.safetensors'}'" in err
+        assert chat.ask(QUESTIONS[2])  # room again: logged
+    assert [ex[0]["content"] for ex in store.read("full").history] == [QUESTIONS[0], QUESTIONS[2]]
+    chat = Chat(args, tiny, tiny.session(SYSTEM), None, store, "tiny", interactive=False)
+    assert chat.ask(QUESTIONS[0])
+    monkeypatch.setattr(os, "fsync", disk_full)
+    chat.command("/save new")  # attach: the header cannot be written
+    monkeypatch.undo()
+    assert chat.stored is None and chat.failures == 1 and not store.path("new").exists()
+    assert "No space left on device" in capsys.readouterr().err
+
+
 def test_sampling_defaults_come_from_the_checkpoint_and_flags_override_them(tiny, tmp_path):
     """A checkpoint whose generation_config.json asks for greedy decoding with penalties:
     `chatml chat` answers as the Python API does when given those values; a flag replaces
