@@ -516,10 +516,13 @@ def run_chat(args) -> int:
     if args.session is not None:
         try:
             store.path(args.session)  # a plain name, and no symbolic link to elsewhere
+            model = model or store.read(args.session).options.get("model")
         except SessionIdError as e:
             _err(f"chatml chat: {e}")
             return 2
-        model = model or store.read(args.session).options.get("model")
+        except OSError as e:  # an unreadable log: it names itself
+            _err(f"chatml chat: {e}")
+            return 1
     model = model or DEFAULT_MODEL
     if Path(model).is_dir():
         model = str(Path(model).resolve())  # a folder: the session must find it from anywhere
@@ -553,7 +556,7 @@ def run_chat(args) -> int:
         new = not store.exists(args.session)
         try:
             stored = store.open(args.session, eng, model=model, **options)
-        except SessionBusy as e:
+        except (SessionBusy, OSError) as e:  # open elsewhere; or its files, which it names
             _err(f"chatml chat: {e}")
             return 1
         session = stored.session
@@ -646,6 +649,6 @@ def run_sessions(args) -> int:
     except SessionIdError as e:
         _err(f"chatml sessions: {e}")
         return 2
-    except SessionBusy as e:
+    except (SessionBusy, OSError) as e:
         _err(f"chatml sessions: {e}")
         return 1

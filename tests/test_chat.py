@@ -264,6 +264,19 @@ def test_traversal_ids_are_usage_errors(bad):
     assert r.returncode == 2 and "invalid session id" in r.stderr
 
 
+@pytest.mark.parametrize("name", ["log.jsonl", "lock"])
+def test_a_session_file_that_cannot_be_opened_is_an_error_naming_it(name):
+    """A session whose log (read before the model loads) or lock (taken after) cannot be
+    opened - here a folder where the file should be; unreadable or on a broken disk alike -
+    ended `chatml chat` with a traceback instead of an error."""
+    sid = new_id("unopenable")
+    path = SessionStore().path(sid) / name
+    path.mkdir(parents=True)
+    r = chatml("chat", "--session", sid, "--model", "tiny", "-p", "hi")
+    assert r.returncode == 1 and f"chatml chat: [Errno 21] Is a directory: '{path}'" in r.stderr
+    assert "Traceback" not in r.stderr and path.is_dir()
+
+
 # ----- hardening: undecodable input, symlinks, limits, broken pipes ------------------------
 
 BAD_BYTES = [b"\xff\xfe", b"caf\xe9", b"\xe4\xbd", b"\xc0\xaf", b"\xed\xa0\x80", b"\x80"]
