@@ -273,6 +273,47 @@ def test_a_session_is_open_in_one_place_at_a_time(tiny, store):
     assert store.ids() == []
 
 
+@pytest.fixture
+def created_meanwhile(tiny, store, monkeypatch):
+    """Another process creates session "x" (one turn) just before this one takes its lock:
+    what a check made before the lock cannot see. Returns the other's log bytes."""
+    import engine.storage.store as st
+
+    other, made = SessionStore(store.home, warn=Warnings()), {}
+    real = st._locked
+
+    def late(path, session_id):
+        if not made:
+            made["log"] = None  # once: the other's own open takes the lock plainly
+            with other.open(session_id, tiny, system="theirs") as s:
+                _turns(s, QUESTIONS[:1])
+            made["log"] = (s.dir / LOG).read_bytes()
+        return real(path, session_id)
+
+    monkeypatch.setattr(st, "_locked", late)
+    return made
+
+
+def test_a_failed_open_never_deletes_a_session_made_meanwhile(tiny, store, created_meanwhile):
+    """`open` decided that a session was new before taking its lock: when opening then
+    failed, it deleted the session another process had created in between."""
+    with pytest.raises(ValueError, match="lone surrogate"):
+        store.open("x", tiny, system="caf\udce9")
+    assert (store.path("x") / LOG).read_bytes() == created_meanwhile["log"]
+
+
+def test_attach_never_writes_into_a_session_made_meanwhile(tiny, store, created_meanwhile):
+    """`attach` checked that the id was free before taking the lock, then appended its
+    header and turns to the log another process had created in between."""
+    session = tiny.session(SYSTEM)
+    turns = [session.send(QUESTIONS[1], max_tokens=MAX)]
+    with pytest.raises(FileExistsError, match="'x' already exists"):
+        store.attach("x", session, turns)
+    assert (store.path("x") / LOG).read_bytes() == created_meanwhile["log"]
+    with store.open("x", tiny) as s:  # not left locked
+        assert s.session.system == "theirs"
+
+
 # A child process that writes two good turns, then is SIGKILLed in the middle of writing.
 _CHILD = textwrap.dedent(
     """

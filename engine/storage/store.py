@@ -161,14 +161,12 @@ class SessionStore:
         `options` go to `Engine.session`; `system`, `max_exchanges` and `enable_thinking`
         default to the stored ones (None means "as stored"), and a change is logged.
         """
-        new = not self.path(session_id).exists()
         stored = StoredSession(self, session_id, engine)
+        new = stored.new  # under the lock: no other process can create it meanwhile
         try:
             stored._load(model, options)
         except BaseException:
-            stored.close()
-            if new:  # e.g. a bad option: leave no empty session folder or log behind
-                shutil.rmtree(stored.dir, ignore_errors=True)
+            stored.discard(new)  # e.g. a bad option: a new one leaves no folder or log behind
             raise
         return stored
 
@@ -177,11 +175,14 @@ class SessionStore:
 
         `turns` are the Turns of `session.history`'s exchanges where known (None elsewhere).
         """
+        exists = FileExistsError(f"session {session_id!r} already exists")
         if self.exists(session_id):
-            raise FileExistsError(f"session {session_id!r} already exists")
-        new = not self.path(session_id).exists()
+            raise exists
         stored = StoredSession(self, session_id, session.engine)
+        new = stored.new
         try:
+            if not new:  # created by another process since the check above
+                raise exists
             stored.session = session
             stored._create(model)
             turns = list(turns) + [None] * (len(session.history) - len(turns))
@@ -191,9 +192,7 @@ class SessionStore:
                 stored.append_turn(turn, messages=exchange, index=i, key=key)
             stored.save_state()
         except BaseException:
-            stored.close()
-            if new:
-                shutil.rmtree(stored.dir, ignore_errors=True)
+            stored.discard(new)
             raise
         return stored
 
@@ -235,6 +234,18 @@ class StoredSession:
         self._lock = self._lock_cm.__enter__()
 
     # ----- opening ----------------------------------------------------------------------
+
+    @property
+    def new(self) -> bool:
+        """Whether the session has no log yet (reliable while we hold its lock)."""
+        return not (self.dir / LOG).exists()
+
+    def discard(self, new: bool) -> None:
+        """Close a session that failed to open; a `new` one is deleted first, while its lock
+        still keeps any other process from creating it."""
+        if new:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self.close()
 
     def _load(self, model: str | None, options: dict) -> None:
         log = read_log(self.dir / LOG, self.store.warn)
