@@ -314,6 +314,31 @@ def test_attach_never_writes_into_a_session_made_meanwhile(tiny, store, created_
         assert s.session.system == "theirs"
 
 
+def test_remove_never_deletes_a_session_made_as_it_lets_go(tiny, store, monkeypatch):
+    """`remove` emptied the folder under the lock but deleted it after letting go: a session
+    another process created in that moment was deleted with it."""
+    import contextlib
+
+    import engine.storage.store as st
+
+    with store.open("x", tiny, system=SYSTEM) as s:
+        _turns(s, QUESTIONS[:1])
+    other, real = SessionStore(store.home, warn=Warnings()), st._locked
+
+    @contextlib.contextmanager
+    def then_created(path, session_id):
+        with real(path, session_id) as f:
+            yield f
+        monkeypatch.setattr(st, "_locked", real)  # once: the other's open locks plainly
+        with other.open(session_id, tiny, system="theirs") as o:
+            _turns(o, QUESTIONS[1:2])
+
+    monkeypatch.setattr(st, "_locked", then_created)
+    store.remove("x")
+    monkeypatch.undo()
+    assert other.read("x").options["system"] == "theirs" and len(other.read("x").history) == 1
+
+
 # A child process that writes two good turns, then is SIGKILLed in the middle of writing.
 _CHILD = textwrap.dedent(
     """

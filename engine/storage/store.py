@@ -150,10 +150,8 @@ class SessionStore:
         path = self.path(session_id)
         if not path.is_dir():
             raise FileNotFoundError(f"no session {session_id!r}")
-        with _locked(path, session_id):
-            for name in (LOG, STATE):
-                (path / name).unlink(missing_ok=True)
-        shutil.rmtree(path)
+        with _locked(path, session_id):  # deleted before it is let go: nobody recreates it
+            shutil.rmtree(path)
 
     def open(self, session_id: str, engine, *, model: str | None = None, **options):
         """Resume `session_id` (or create it) on `engine`: returns a `StoredSession`.
