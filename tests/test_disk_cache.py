@@ -211,6 +211,22 @@ def test_damaged_truncated_and_foreign_entries_are_deleted_not_loaded(eng, disk,
     assert "skipped and deleted" in caplog.text
 
 
+def test_an_entry_the_decoder_chokes_on_is_deleted_not_raised(eng, disk, caplog):
+    """Only OSError and StateError were caught around a read: a file whose metadata made
+    the decoder raise anything else (here a dtype it does not know) failed the request
+    instead of being deleted and prefilled."""
+    ids = prompt_of(eng, conversation(9)).ids
+    with eng.lock:
+        seq = prefix_seq(eng, ids[:-1])
+        captured = capture_state(seq, eng, len(ids) - 1)
+        captured.meta["views"] = json.dumps({"kv.3.keys": "float4"})
+        atomic_write(disk._path(len(ids) - 1, captured.meta["key"]), captured.encode())
+        reopened = eng.attach_disk(disk.dir, 1 << 30, min_tokens=8)
+        entry = reopened.lookup(ids)
+        assert reopened.restore(entry) is None and not entry.path.exists()
+    assert reopened.rejected == 1 and "float4" in caplog.text
+
+
 def test_disk_budget_deletes_least_recently_used(eng, disk):
     ids = [prompt_of(eng, conversation(n)).ids for n in (5, 6, 7)]
     with eng.lock:

@@ -380,8 +380,8 @@ class DiskCache:
         try:
             data = entry.path.read_bytes()
             tokens, caches, _ = decode_state(data, self.engine, entry.key)
-        except (OSError, StateError) as e:
-            log.warning("%s: skipped and deleted (%s)", entry.path, e)
+        except Exception as e:  # unreadable, or damage the decoder chokes on: prefill instead
+            log.warning("%s: skipped and deleted (%s: %s)", entry.path, e.__class__.__name__, e)
             self.rejected += 1
             self._forget(entry)
             return None
