@@ -200,6 +200,48 @@ def test_corrupt_state_is_ignored_and_the_log_kept(tiny, store, saved, damage):
     assert any("ignored" in w for w in store.warn)
 
 
+def _edit_metadata(path, **changes) -> None:
+    """Rewrite a safetensors file's metadata, keeping its tensors (and their checksum)."""
+    import struct
+
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"].update(changes)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
+
+
+def test_the_checksum_covers_the_metadata_too(tiny, store, saved):
+    """The checksum covered the tensors only, not the metadata that says how to read them:
+    damaged `views` made float32 recurrent states load as bfloat16 pairs, twice as wide,
+    the state counted as restored, and every question then failed on the state's shape."""
+    from safetensors.numpy import load
+
+    state = _clone(store, saved, "meta") / STATE
+    names = [k for k in load(state.read_bytes()) if k.endswith(".state")]
+    _edit_metadata(state, views=json.dumps(dict.fromkeys(names, "bfloat16")))
+    with store.open("meta", tiny) as s:
+        assert not s.state_loaded and s.state_error == "checksum mismatch"
+        turn = s.session.send(QUESTIONS[3], max_tokens=MAX)
+    assert turn.token_ids == saved.turn4.token_ids
+
+
+def test_a_version_2_state_still_resumes(tiny, store, saved):
+    """Files written before the checksum covered the metadata keep their fast resume."""
+    from safetensors.numpy import load
+
+    from engine.storage.state_file import _digest
+
+    state = _clone(store, saved, "v2") / STATE
+    _edit_metadata(state, version="2", sha256=_digest(load(state.read_bytes()), None))
+    with store.open("v2", tiny) as s:
+        assert s.state_loaded
+        turn = s.session.send(QUESTIONS[3], max_tokens=MAX)
+    assert turn.token_ids == saved.turn4.token_ids
+    assert turn.stats.prefilled_tokens == saved.turn4.stats.prefilled_tokens
+
+
 def test_foreign_and_stale_states_are_never_used(tiny, store, saved):
     state = _clone(store, saved, "fs") / STATE
     good = state.read_bytes()

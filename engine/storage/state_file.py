@@ -39,8 +39,9 @@ from ..runtime.snapshot import Snapshot
 FORMAT = "chatml-session"
 # 2: an MTP cache may hold fewer rows and more hidden states (and `ids`) than one per position
 # (runtime.cache.MTPCache). Version 1 files are read too: their MTP caches never lag.
-VERSION = 2
-READABLE = ("1", "2")
+# 3: the checksum covers the metadata (which says how to read the tensors) too.
+VERSION = 3
+READABLE = ("1", "2", "3")
 # Snapshots written to disk: the first (after the system prompt: survives window trimming) and
 # the last few (the last turn's message and answer starts: the next turn, /regenerate). Every
 # one of them costs the full recurrent state, so saving all would grow the file every turn.
@@ -71,12 +72,16 @@ def _to_mlx(a: np.ndarray, dtype: str | None) -> mx.array:
     return arr.view(_DTYPE_NAMES[dtype]) if dtype else arr
 
 
-def _digest(tensors: dict[str, np.ndarray]) -> str:
+def _digest(tensors: dict[str, np.ndarray], meta: dict[str, str] | None) -> str:
+    """The checksum of the tensors and (version 3 on) the metadata but its own entry."""
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = np.ascontiguousarray(tensors[name])
         h.update(f"{name}|{t.dtype.str}|{t.shape}|".encode())
         h.update(memoryview(t).cast("B"))
+    if meta is not None:
+        h.update(json.dumps({k: v for k, v in meta.items() if k != "sha256"}, sort_keys=True)
+                 .encode())  # fmt: skip
     return h.hexdigest()
 
 
@@ -93,10 +98,12 @@ class CapturedState:
         return sum(t.nbytes for t in self.tensors.values())
 
     def encode(self) -> bytes:
-        """The safetensors bytes, with a checksum over every tensor."""
+        """The safetensors bytes, with a checksum over every tensor and the metadata."""
         from safetensors.numpy import save
 
-        return save(self.tensors, metadata={**self.meta, "sha256": _digest(self.tensors)})
+        return save(
+            self.tensors, metadata={**self.meta, "sha256": _digest(self.tensors, self.meta)}
+        )
 
 
 def capture_state(seq, engine, pos: int | None = None) -> CapturedState:
@@ -205,7 +212,7 @@ def decode_state(data: bytes, engine, expected_key: str | None):
         tensors = load(data)
     except SafetensorError as e:
         raise StateError(f"unreadable ({e})") from e
-    if _digest(tensors) != meta.get("sha256"):
+    if _digest(tensors, None if meta["version"] in ("1", "2") else meta) != meta.get("sha256"):
         raise StateError("checksum mismatch")
     return _rebuild(tensors, meta, engine, expected_key)
 
