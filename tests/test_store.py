@@ -242,6 +242,18 @@ def test_a_version_2_state_still_resumes(tiny, store, saved):
     assert turn.stats.prefilled_tokens == saved.turn4.stats.prefilled_tokens
 
 
+@pytest.mark.parametrize("header", [b"[" * 100_000, b'{"__metadata__": ["key"]}', b"[]"])
+def test_a_header_without_metadata_is_a_state_error(header):
+    """A header nested past the parser's depth raised RecursionError, and one whose metadata
+    was not an object was returned as is: `chatml sessions show` died on either."""
+    import struct
+
+    from engine.storage.state_file import StateError
+
+    with pytest.raises(StateError, match="unreadable header"):
+        read_header(struct.pack("<Q", len(header)) + header)
+
+
 def test_foreign_and_stale_states_are_never_used(tiny, store, saved):
     state = _clone(store, saved, "fs") / STATE
     good = state.read_bytes()

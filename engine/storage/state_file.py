@@ -196,9 +196,12 @@ def read_header(data: bytes) -> dict:
     if n > len(data) - 8:
         raise StateError("header runs past the end of the file")
     try:
-        return json.loads(data[8 : 8 + n]).get("__metadata__") or {}
-    except (ValueError, AttributeError) as e:
+        meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+    except (ValueError, AttributeError, RecursionError) as e:  # junk can nest deep
         raise StateError(f"unreadable header ({e})") from e
+    if not isinstance(meta, dict):
+        raise StateError("unreadable header (its metadata is not an object)")
+    return meta
 
 
 def decode_state(data: bytes, engine, expected_key: str | None):
