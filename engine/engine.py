@@ -68,6 +68,8 @@ class Engine:
     # Tokens in one forward pass at most: bounds how long a prefill stalls the rows decoding.
     pass_tokens: int = DEFAULT_PASS_TOKENS
     _batch: Batch | None = field(default=None, repr=False)
+    # Bits the weights were quantized to at load (`load(quantize=)`), None if as stored.
+    quantize: int | None = None
 
     @property
     def path(self) -> Path:
@@ -75,7 +77,10 @@ class Engine:
 
     @property
     def fingerprint(self) -> str:
-        return self.checkpoint.fingerprint
+        """Names the weights the model computes with: saved caches are reused only under the
+        same (the checkpoint's, and how it was quantized at load)."""
+        bits = f"-q{self.quantize}" if self.quantize else ""
+        return self.checkpoint.fingerprint + bits
 
     @property
     def sharded(self) -> bool:
@@ -446,6 +451,7 @@ def _load(model, *, dtype, chunked_delta, cache_bytes, quantize, speculative, sp
     if cache_bytes is None:
         cache_bytes = memory.default_budget(need, mem)
     eng = Engine(net, tok, ckpt.entry, ckpt, _DTYPES[name], stops, CacheBudget(cache_bytes))
+    eng.quantize = quantize
     eng.speculative = spec
     eng.set_max_batch(max_batch)
     eng.set_pass_tokens(pass_tokens)

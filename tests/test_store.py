@@ -268,6 +268,26 @@ def test_foreign_and_stale_states_are_never_used(tiny, store, saved):
         assert not s.state_loaded and "stale" in s.state_error and s.resumed_turns == 3
 
 
+def test_a_state_made_before_quantizing_at_load_is_not_used(tiny, store, saved):
+    """`quantize=` at load changes the weights but not the checkpoint's fingerprint, which
+    alone named them: a session saved in float resumed under `--quantize 8` from the float
+    model's caches ("cache restored"), not from what the 8-bit model computes; a server's
+    disk tier likewise served one's entries to the other."""
+    import engine
+    from engine.storage.disk_cache import namespace
+
+    _clone(store, saved, "q8")
+    q8 = engine.load("tiny", quantize=8)
+    try:
+        with store.open("q8", q8) as s:
+            assert not s.state_loaded and "other weights" in s.state_error
+            turn = s.session.send(QUESTIONS[3], max_tokens=MAX)
+        assert turn.stats.prefilled_tokens == turn.stats.prompt_tokens  # all its own caches
+        assert namespace(q8) != namespace(tiny)  # nor does the server's disk tier mix them
+    finally:
+        q8.close()
+
+
 def test_reset_and_regenerate_replay(tiny, store, saved):
     _clone(store, saved, "rr")
     with store.open("rr", tiny) as s:
