@@ -562,6 +562,24 @@ def test_a_second_server_on_the_folder_is_refused_before_loading(tmp_path):
     FolderLock(held.dir).release()
 
 
+def test_a_cache_folder_that_cannot_be_made_is_an_error_before_loading(tmp_path):
+    """A --cache-dir that cannot be a folder (a file there; read-only, or no such disk alike)
+    ended `chatml serve` with a traceback from the folder lock, not an error naming it."""
+    not_a_folder = tmp_path / "cache"
+    not_a_folder.write_text("mine")
+    r = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "serve", "--model", str(tmp_path / "none"),
+         "--port", "0", "--cache-dir", str(not_a_folder)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert (
+        f"chatml serve: error: the disk cache {not_a_folder}" in r.stderr
+        and "--no-disk-cache" in r.stderr
+    )
+    assert not_a_folder.read_text() == "mine"
+
+
 def test_session_evicted_to_disk_and_back_gives_the_same_answer(tiny, eng, disk):
     s = eng.session(SYSTEM["content"])
     first = s.send(long_question(2)["content"], max_tokens=4)

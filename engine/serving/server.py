@@ -860,11 +860,11 @@ def run(args: argparse.Namespace, sampling: dict | None = None) -> int:
         return 1
     folder = None
     if not args.no_disk_cache:
-        from ..storage.disk_cache import DiskCacheBusy, FolderLock
+        from ..storage.disk_cache import DiskCacheError, FolderLock
 
         try:
             folder = FolderLock(args.cache_dir)
-        except DiskCacheBusy as e:
+        except DiskCacheError as e:  # busy, or not a folder this process can use
             sock.close()
             print(f"chatml serve: error: {e}", file=sys.stderr)
             return 1

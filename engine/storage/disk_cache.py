@@ -66,7 +66,11 @@ _NAME = re.compile(r"^(\d+)-([0-9a-f]{32})\.safetensors$")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-class DiskCacheBusy(RuntimeError):
+class DiskCacheError(RuntimeError):
+    """The cache folder cannot be used: it cannot be made or opened, or it is busy."""
+
+
+class DiskCacheBusy(DiskCacheError):
     """Another process holds the cache folder."""
 
 
@@ -79,8 +83,14 @@ class FolderLock:
 
     def __init__(self, directory: str | os.PathLike | None = None):
         self.dir = Path(directory) if directory is not None else default_dir()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        f = open(self.dir / "lock", "a+b")  # noqa: SIM115  (held until release)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            f = open(self.dir / "lock", "a+b")  # noqa: SIM115  (held until release)
+        except OSError as e:  # a file there, read-only, no such disk: said before a load
+            raise DiskCacheError(
+                f"the disk cache {self.dir} cannot be used ({e}); give this one another "
+                "--cache-dir or --no-disk-cache"
+            ) from e
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
