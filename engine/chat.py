@@ -649,6 +649,8 @@ def run_sessions(args) -> int:
     except SessionIdError as e:
         _err(f"chatml sessions: {e}")
         return 2
-    except (SessionBusy, OSError) as e:
+    except BrokenPipeError:
+        raise  # the reader went away: the CLI ends quietly (141)
+    except (SessionBusy, OSError) as e:  # open elsewhere; or its files, which it names
         _err(f"chatml sessions: {e}")
         return 1

@@ -277,6 +277,17 @@ def test_a_session_file_that_cannot_be_opened_is_an_error_naming_it(name):
     assert "Traceback" not in r.stderr and path.is_dir()
 
 
+def test_sessions_rm_of_a_session_that_cannot_be_locked_is_an_error_naming_it():
+    sid = new_id("unlockable")
+    assert chatml("chat", "--session", sid, "--max-tokens", "2", stdin="Hello\n").returncode == 0
+    lock = SessionStore().path(sid) / "lock"
+    lock.unlink()
+    lock.mkdir()
+    r = chatml("sessions", "rm", sid)
+    assert r.returncode == 1 and f"chatml sessions: [Errno 21] Is a directory: '{lock}'" in r.stderr
+    assert "Traceback" not in r.stderr and SessionStore().exists(sid)
+
+
 # ----- hardening: undecodable input, symlinks, limits, broken pipes ------------------------
 
 BAD_BYTES = [b"\xff\xfe", b"caf\xe9", b"\xe4\xbd", b"\xc0\xaf", b"\xed\xa0\x80", b"\x80"]
