@@ -392,7 +392,7 @@ class Chat:
             s.history[:], self.turns = history, turns
 
     def _save(self, session_id: str | None) -> None:
-        from .storage.store import SessionIdError
+        from .storage.store import SessionBusy, SessionIdError
 
         if self.args.no_history:
             self._failed("error: --no-history keeps no conversation to save")
@@ -409,7 +409,7 @@ class Chat:
             with _shielded():
                 self.stored = self.store.attach(session_id, self.session, self.turns,
                                                 model=self.model)  # fmt: skip
-        except (SessionIdError, OSError) as e:  # FileExistsError, or the disk: nothing kept
+        except (SessionIdError, SessionBusy, OSError) as e:  # taken, or the disk: nothing kept
             self._failed(f"error: {e}")
             return
         _err(f"[saved session {session_id}: resume it with chatml chat --session {session_id}]")

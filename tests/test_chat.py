@@ -546,6 +546,23 @@ def test_a_disk_error_while_saving_is_an_error_and_the_chat_goes_on(tiny, tmp_pa
     assert "No space left on device" in capsys.readouterr().err
 
 
+def test_save_under_an_id_another_process_is_creating_is_an_error(tiny, tmp_path, capsys):
+    """/save NAME while another process holds NAME but has not written its log yet raised
+    SessionBusy out of Chat: the chat ended and the conversation was lost."""
+    from engine.chat import Chat
+    from engine.storage.store import _locked
+
+    store = SessionStore(tmp_path, warn=lambda m: None)
+    args = SimpleNamespace(json_schema=None, max_tokens=4, temperature=0.0, seed=None,
+                           no_history=False, stats=False, warm=False)  # fmt: skip
+    chat = Chat(args, tiny, tiny.session(SYSTEM), None, store, "tiny", interactive=False)
+    assert chat.ask(QUESTIONS[0])
+    with _locked(store.path("taken"), "taken"):  # the other process, before its header
+        chat.command("/save taken")
+    assert chat.stored is None and chat.failures == 1 and len(chat.session.history) == 1
+    assert "is open in another process" in capsys.readouterr().err
+
+
 def test_sampling_defaults_come_from_the_checkpoint_and_flags_override_them(tiny, tmp_path):
     """A checkpoint whose generation_config.json asks for greedy decoding with penalties:
     `chatml chat` answers as the Python API does when given those values; a flag replaces
