@@ -302,6 +302,33 @@ def test_a_failed_encode_does_not_stop_the_writer(eng, disk, monkeypatch, caplog
     assert "not written (MemoryError" in caplog.text
 
 
+def test_an_entry_that_cannot_be_evicted_does_not_stop_the_writer(eng, disk, monkeypatch,
+                                                                    caplog):  # fmt: skip
+    """An eviction whose delete failed (a file another user owns in a shared folder, a
+    read-only one) raised out of the writer thread and ended it: nothing queued afterwards
+    was written, and `flush` never returned."""
+    from pathlib import Path
+
+    ids = [prompt_of(eng, conversation(n)).ids for n in (5, 6, 7)]
+    with eng.lock:
+        disk.store(prefix_seq(eng, ids[0][:-1]), len(ids[0]) - 1)
+        disk.flush()
+        (stuck,) = disk._index
+        disk.max_bytes = int(disk.nbytes * 1.5)  # room for one entry: the second evicts it
+        real = Path.unlink
+        monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: (
+            (_ for _ in ()).throw(PermissionError(1, "Operation not permitted", str(self)))
+            if self == stuck else real(self, missing_ok)))  # fmt: skip
+        for x in ids[1:]:
+            disk.store(prefix_seq(eng, x[:-1]), len(x) - 1)
+        flushed = threading.Thread(target=disk.flush, daemon=True)
+        flushed.start()
+        flushed.join(60)  # a guard only: with a live writer the flush returns at once
+        assert not flushed.is_alive() and disk.writes == 3
+        assert disk.lookup(ids[2]) is not None and stuck.exists()
+    assert "not evicted" in caplog.text and "Operation not permitted" in caplog.text
+
+
 def test_crash_mid_write_leaves_nothing_that_loads(eng, disk, tmp_path):
     ids = prompt_of(eng, conversation(8)).ids
     with eng.lock:

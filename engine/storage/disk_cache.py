@@ -303,6 +303,8 @@ class DiskCache:
                 if item is None:
                     return
                 self._write(item)
+            except Exception as e:  # whatever it was, the writer must outlive it: see flush
+                log.warning("disk cache writer: %r", e)
             finally:
                 self._queue.task_done()
 
@@ -340,7 +342,10 @@ class DiskCache:
         for entry in sorted(self._index.values(), key=lambda e: e.used):
             if total <= self.max_bytes:
                 break
-            entry.path.unlink(missing_ok=True)
+            try:
+                entry.path.unlink(missing_ok=True)
+            except OSError as e:  # not ours to delete (a shared folder), read-only: let it be
+                log.warning("%s: not evicted (%s); it is no longer counted", entry.path, e)
             del self._index[entry.path]
             total -= entry.nbytes
 
