@@ -329,6 +329,25 @@ def test_an_entry_that_cannot_be_evicted_does_not_stop_the_writer(eng, disk, mon
     assert "not evicted" in caplog.text and "Operation not permitted" in caplog.text
 
 
+def test_a_damaged_entry_that_cannot_be_deleted_is_still_skipped(eng, disk, monkeypatch):
+    """A damaged entry is deleted as it is skipped; when that delete failed too (read-only,
+    another user's file) the error went up into the request instead of a prefill."""
+    from pathlib import Path
+
+    ids = prompt_of(eng, conversation(3)).ids
+    with eng.lock:
+        disk.store(prefix_seq(eng, ids[:-1]), len(ids) - 1)
+        disk.flush()
+        entry = disk.lookup(ids)
+        entry.path.write_bytes(entry.path.read_bytes()[:-100])  # truncated
+        real = Path.unlink
+        monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: (
+            (_ for _ in ()).throw(PermissionError(1, "Operation not permitted", str(self)))
+            if self == entry.path else real(self, missing_ok)))  # fmt: skip
+        assert disk.restore(entry) is None and disk.lookup(ids) is None  # not offered again
+    assert entry.path.exists() and disk.rejected == 1
+
+
 def test_crash_mid_write_leaves_nothing_that_loads(eng, disk, tmp_path):
     ids = prompt_of(eng, conversation(8)).ids
     with eng.lock:

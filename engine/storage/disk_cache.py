@@ -140,6 +140,15 @@ def worth_reading(nbytes: int, gain: int, read_bps: float, prefill_tps: float | 
     return prefill_tps is None or nbytes / read_bps < gain / prefill_tps
 
 
+def _delete(path: Path, what: str) -> None:
+    """Delete an entry's file. One that cannot be (another user's in a shared folder, a
+    read-only disk) is left, unindexed by the caller: never read again, nor counted."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("%s: not %s (%s); no longer indexed", path, what, e)
+
+
 @dataclass
 class Entry:
     path: Path
@@ -342,10 +351,7 @@ class DiskCache:
         for entry in sorted(self._index.values(), key=lambda e: e.used):
             if total <= self.max_bytes:
                 break
-            try:
-                entry.path.unlink(missing_ok=True)
-            except OSError as e:  # not ours to delete (a shared folder), read-only: let it be
-                log.warning("%s: not evicted (%s); it is no longer counted", entry.path, e)
+            _delete(entry.path, "evicted")
             del self._index[entry.path]
             total -= entry.nbytes
 
@@ -420,9 +426,9 @@ class DiskCache:
             self.prefill_tps = tps if self.prefill_tps is None else 0.5 * (self.prefill_tps + tps)
 
     def _forget(self, entry: Entry) -> None:
-        entry.path.unlink(missing_ok=True)
         with self._guard:
             self._index.pop(entry.path, None)
+        _delete(entry.path, "deleted")
 
     # ----- lifetime ------------------------------------------------------------------------
 
