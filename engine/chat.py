@@ -287,7 +287,7 @@ class Chat:
             if not turn.tool_calls:
                 self.turns.append(turn)
             if self.stored is not None:
-                self._persist("the exchange", self._log_turn, turn)
+                self._persist("the answer stands but is not saved", self._log_turn, turn)
         self.last = turn
         t = self.totals
         t["turns"] += 1
@@ -302,14 +302,14 @@ class Chat:
         self.stored.append_turn(turn)
         self.stored.save_state(background=True)  # the next prompt need not wait
 
-    def _persist(self, what: str, write, *args) -> bool:
+    def _persist(self, failure: str, write, *args) -> bool:
         """Write to the session's files, shielded from Ctrl+C; a failure (disk full, a
         read-only folder) is an error that names the file, and the conversation goes on."""
         try:
             with _shielded():
                 write(*args)
         except OSError as e:
-            self._failed(f"error: {what} was not saved: {e}")
+            self._failed(f"error: {failure}: {e}")
             return False
         return True
 
@@ -325,7 +325,9 @@ class Chat:
             for cmd, what in COMMANDS.items():
                 print(f"  {cmd:<12} {what}")
         elif name == "/reset":
-            if self.stored is not None and not self._persist("/reset", self.stored.record_reset):
+            if self.stored is not None and not self._persist(
+                "/reset failed, nothing cleared", self.stored.record_reset
+            ):
                 return True  # logged first: a reset the log does not hold is not done
             self.session.reset()
             self.turns = []
@@ -401,7 +403,7 @@ class Chat:
             if session_id and session_id != self.stored.id:
                 self._failed(f"error: already saving as {self.stored.id!r}")
                 return
-            if self._persist("the session state", self.stored.save_state):
+            if self._persist("the cache state is not saved", self.stored.save_state):
                 _err(f"[saved session {self.stored.id} in {self.stored.dir}]")
             return
         session_id = session_id or time.strftime("chat-%Y%m%d-%H%M%S")

@@ -534,6 +534,8 @@ def test_a_disk_error_while_saving_is_an_error_and_the_chat_goes_on(tiny, tmp_pa
         assert log.read_bytes() == before and chat.failures == 3
         err = capsys.readouterr().err
         assert err.count(f"No space left on device: '{log}'") == 2
+        assert "error: the answer stands but is not saved: [Errno 28]" in err
+        assert "error: /reset failed, nothing cleared: [Errno 28]" in err
         assert f"No space left on device: '{log.parent / 'state.safetensors'}'" in err
         assert chat.ask(QUESTIONS[2])  # room again: logged
     assert [ex[0]["content"] for ex in store.read("full").history] == [QUESTIONS[0], QUESTIONS[2]]
