@@ -13,6 +13,7 @@ import textwrap
 from types import SimpleNamespace
 
 import pytest
+from helpers import RESULT, TOOLS, fresh_greedy
 
 from engine.storage.session_log import encode_record, read_log
 from engine.storage.state_file import SNAPSHOTS_KEPT, read_header
@@ -571,7 +572,41 @@ def test_good_tool_exchanges_replay(tmp_path):
     ]
     log.write_bytes(b"".join(encode_record(r) for r in records))
     warned = Warnings()
-    assert read_log(log, warned).history == [[U, CALL, TOOL, CALL, TOOL, A]] and not warned
+    replayed = read_log(log, warned)
+    assert replayed.history == [[U, CALL, TOOL, CALL, TOOL, A]] and not warned
+    assert replayed.pending == []
+    log.write_bytes(b"".join(encode_record(r) for r in records[:2]))
+    replayed = read_log(log, warned)
+    assert replayed.history == [] and replayed.pending == [U, CALL, TOOL, CALL] and not warned
+
+
+@pytest.mark.parametrize("how", ["logged", "attached"])
+def test_an_exchange_waiting_for_tool_results_resumes_pending_and_is_answered(tiny, store, how):
+    """Tool calls logged while their results were awaited come back as `pending` (they were
+    dropped: the resumed session had no calls to answer), and the results answer them as a
+    fresh prefill of the same prompt does."""
+
+    def turns(session, record=lambda turn: None):
+        record(session.send(QUESTIONS[0], max_tokens=MAX))
+        called = session.send(QUESTIONS[1], tools=TOOLS, tool_choice="required", max_tokens=60)
+        assert called.tool_calls and session.pending
+        record(called)
+        return called, list(session.history), list(session.pending)
+
+    if how == "logged":
+        with store.open("tools", tiny, system=SYSTEM) as s:
+            called, history, pending = turns(s.session, lambda t: (s.append_turn(t),
+                                                                   s.save_state()))  # fmt: skip
+    else:
+        session = tiny.session(SYSTEM)
+        called, history, pending = turns(session)
+        store.attach("tools", session).close()
+    with store.open("tools", tiny) as s:
+        assert s.session.history == history and s.session.pending == pending
+        assert s.state_loaded
+        done = s.session.send_tool_results([RESULT], tools=TOOLS, max_tokens=MAX)
+        assert done.stats.reused_tokens >= len(called.prompt_ids)
+        assert done.token_ids == fresh_greedy(tiny, done.prompt_ids, MAX)[0]
 
 
 @pytest.mark.parametrize(

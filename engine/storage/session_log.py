@@ -83,6 +83,7 @@ class SessionLog:
 
     options: dict = field(default_factory=dict)  # model, system, max_exchanges, enable_thinking
     history: list[list[dict]] = field(default_factory=list)
+    pending: list[dict] = field(default_factory=list)  # the exchange awaiting tool results
     records: list[dict] = field(default_factory=list)  # good records, in order
     state_key: str | None = None  # key of the caches after the last good turn
     turns: int = 0  # turn records (including regenerated ones)
@@ -131,9 +132,12 @@ def _apply(log: SessionLog, rec: dict) -> None:
     if kind in ("session", "options"):
         log.options.update({k: rec[k] for k in OPTIONS if k in rec})
     elif kind == "reset":
-        log.history, log.state_key = [], None
+        log.history, log.pending, log.state_key = [], [], None
     elif kind == "turn":
         log.turns += 1
         log.state_key = rec.get("state_key")
-        if not rec.get("pending"):  # an exchange waiting for tool results is not history yet
+        if rec.get("pending"):  # waiting for tool results: not history yet, resumed as pending
+            log.history, log.pending = log.history[: rec["index"]], rec["messages"]
+        else:
             log.history = log.history[: rec["index"]] + [rec["messages"]]
+            log.pending = []

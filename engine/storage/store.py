@@ -184,10 +184,12 @@ class SessionStore:
             stored.session = session
             stored._create(model)
             turns = list(turns) + [None] * (len(session.history) - len(turns))
-            last = len(session.history) - 1
+            last = len(session.history) - (0 if session.pending else 1)
             for i, (exchange, turn) in enumerate(zip(session.history, turns)):
                 key = "live" if i == last else None  # the live caches follow the last one
                 stored.append_turn(turn, messages=exchange, index=i, key=key)
+            if session.pending:  # tool calls waiting for their results
+                stored.append_turn(None, messages=session.pending, index=last, pending=True)
             stored.save_state()
         except BaseException:
             stored.discard(new)
@@ -270,6 +272,7 @@ class StoredSession:
         for tmp in self.dir.glob(f".{STATE}.*.tmp"):  # left by a crash mid-save; we hold the lock
             tmp.unlink(missing_ok=True)
         self.session.history = [list(ex) for ex in log.history]
+        self.session.pending = list(log.pending)  # tool calls still waiting for their results
         self.resumed_turns = len(log.history)
         self._load_state(log.state_key)
 
@@ -349,14 +352,17 @@ class StoredSession:
             raise ValueError(f"session {self.id!r} is closed")
         self._write(data)
 
-    def append_turn(self, turn, *, messages=None, index: int | None = None, key="live") -> None:
+    def append_turn(self, turn, *, messages=None, index: int | None = None, key="live",
+                    pending: bool | None = None) -> None:  # fmt: skip
         """Log a completed turn (call right after it finishes, before `save_state`).
 
         By default the exchange is the one the turn just added to the history (or the pending
-        one, while tool calls wait for results) and the state key names the live caches.
+        one, while tool calls wait for results: resumed as pending) and the state key names
+        the live caches.
         """
         s = self.session
-        pending = turn is not None and bool(turn.tool_calls) and messages is None
+        if pending is None:
+            pending = turn is not None and bool(turn.tool_calls) and messages is None
         if messages is None:
             messages = s.pending if pending else s.history[-1]
         if index is None:
