@@ -6,6 +6,11 @@ import os
 import tempfile
 from pathlib import Path
 
+# Folders that hold conversations or states computed from them (sessions, the prefix cache):
+# the user's alone, as a shell's history is. Their files are 0600 (`atomic_write`'s mkstemp,
+# the session log). Folders made before keep their modes.
+PRIVATE_DIR = 0o700
+
 
 def chatml_home() -> Path:
     """Root for built models, the tokenizer and sessions: `CHATML_HOME` or the user cache."""

@@ -642,3 +642,21 @@ def test_session_evicted_to_disk_and_back_gives_the_same_answer(tiny, eng, disk)
     assert first.prompt_ids[:start] == second.prompt_ids[:start]
     assert second.stats.reused_tokens >= start
     assert second.token_ids == fresh_greedy(tiny, second.prompt_ids, 4)[0]
+
+
+def test_the_cache_folder_and_its_entries_are_the_users_alone(eng, tmp_path):
+    """States computed from conversations: 0700 folders and 0600 entries even under umask 0."""
+    old = os.umask(0)
+    try:
+        disk = eng.attach_disk(tmp_path / "cache", 1 << 30, min_tokens=8)
+        eng.chat(conversation(0), max_tokens=2, warm=False)
+        disk.flush()
+    finally:
+        os.umask(old)
+        eng.detach_disk()
+    entries = list(disk.ns.glob("*.safetensors"))
+    assert entries, "the turn kept no entry on disk"
+    for folder in (disk.dir, disk.ns):
+        assert (folder.stat().st_mode & 0o777) == 0o700, folder
+    for entry in entries:
+        assert (entry.stat().st_mode & 0o777) == 0o600, entry

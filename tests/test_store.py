@@ -670,3 +670,20 @@ def test_a_session_that_cannot_be_created_leaves_nothing_on_disk(tiny, store):
     assert not store.path("new").exists() and store.ids() == []
     with store.open("new", tiny, system="café") as s:  # the id is free for a good one
         assert s.session.system == "café"
+
+
+def test_a_sessions_folder_and_files_are_the_users_alone(tiny, tmp_path):
+    """A session holds a conversation: 0700 folders and 0600 files even under umask 0 (the
+    log was 0644 and the folder 0755: readable by every user of a shared machine)."""
+    old = os.umask(0)
+    try:
+        store = SessionStore(tmp_path / "home", warn=Warnings())
+        with store.open("private", tiny, system=SYSTEM) as s:
+            _turns(s, QUESTIONS[:1])
+            folder = s.dir
+    finally:
+        os.umask(old)
+    assert (folder.stat().st_mode & 0o777) == 0o700
+    assert (store.root.stat().st_mode & 0o777) == 0o700
+    for name in (LOG, STATE, "lock"):
+        assert ((folder / name).stat().st_mode & 0o777) == 0o600, name

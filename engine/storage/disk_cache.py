@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..paths import atomic_write, chatml_home
+from ..paths import PRIVATE_DIR, atomic_write, chatml_home
 from .state_file import (
     CapturedState,
     StateError,
@@ -84,7 +84,7 @@ class FolderLock:
     def __init__(self, directory: str | os.PathLike | None = None):
         self.dir = Path(directory) if directory is not None else default_dir()
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.dir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)  # states of chats
             f = open(self.dir / "lock", "a+b")  # noqa: SIM115  (held until release)
         except OSError as e:  # a file there, read-only, no such disk: said before a load
             raise DiskCacheError(
@@ -186,7 +186,7 @@ class DiskCache:
         try:
             self.max_bytes = default_bytes(self.dir) if max_bytes is None else max_bytes
             self.ns = self.dir / namespace(engine)
-            self.ns.mkdir(exist_ok=True)
+            self.ns.mkdir(mode=PRIVATE_DIR, exist_ok=True)
             self._scan()
         except BaseException:
             self._lock.release()  # a folder this process cannot use is not kept from others

@@ -31,7 +31,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from ..paths import atomic_write, chatml_home
+from ..paths import PRIVATE_DIR, atomic_write, chatml_home
 from .session_log import OPTIONS, SessionLog, encode_record, read_log
 from .state_file import (
     FORMAT,
@@ -199,7 +199,10 @@ class SessionStore:
 
 @contextlib.contextmanager
 def _locked(path: Path, session_id: str):
-    path.mkdir(parents=True, exist_ok=True)
+    # A session holds a conversation: its folder and files are the user's alone (0700, 0600),
+    # as a shell keeps its history.
+    path.parent.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    path.mkdir(mode=PRIVATE_DIR, exist_ok=True)
     f = _open_nofollow(path / LOCK, os.O_RDWR)  # held for the session's lifetime elsewhere
     try:
         try:
@@ -213,7 +216,7 @@ def _locked(path: Path, session_id: str):
 
 def _open_nofollow(path: Path, flags: int):
     """Open (creating) a binary file, refusing a symbolic link: the store writes only its own."""
-    fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
     return os.fdopen(fd, "r+b" if flags & os.O_RDWR else "ab")
 
 
@@ -308,7 +311,7 @@ class StoredSession:
                 "enable_thinking": s.enable_thinking,
             }
         )
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
         self._open_log()
         self._write(header)
         _fsync_dir(self.dir)
