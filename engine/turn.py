@@ -102,6 +102,8 @@ _JSON_END = re.compile(r"\s*</parameter>")
 _CALL_END = re.compile(r"\s*</function>\s*</tool_call>")
 _SPACE = re.compile(r"\s*")
 _JSON = json.JSONDecoder()
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what a \uXXXX escape without its pair gives
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def split_reasoning(raw: str, thinking: bool) -> tuple[str | None, str]:
@@ -155,7 +157,7 @@ def _read_call(text: str, pos: int, i: int) -> tuple[ToolCall | str, int]:
         try:
             value, after = _JSON.raw_decode(text, _SPACE.match(text, pos).end())
             close = _JSON_END.match(text, after)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # (nested past what Python decodes)
             close = None
         if close is None:  # a plain string, up to the first </parameter>
             close_at = text.find("</parameter>", pos)
@@ -164,6 +166,31 @@ def _read_call(text: str, pos: int, i: int) -> tuple[ToolCall | str, int]:
             value = text[pos:close_at].removesuffix("\n")
             pos = close_at + len("</parameter>")
         else:
+            if _SURROGATE_ESCAPE.search(text, pos, after):
+                value = _valid_unicode(value)
             pos = close.end()
         args[key] = value
     return ToolCall(name, args), end.end()
+
+
+def _valid_unicode(value):
+    """A decoded JSON value with each lone surrogate (an unpaired `\\ud800`-style escape: it
+    decodes, but has no UTF-8 form) replaced by U+FFFD, as undecodable bytes are in generated
+    text; encoding it would fail wherever the call goes (a session log, an Anthropic
+    tool_use). In place and without recursion: the value may nest as deep as JSON decodes."""
+
+    def fix(v):
+        return _LONE_SURROGATE.sub("\ufffd", v) if isinstance(v, str) else v
+
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            node[:] = [fix(v) for v in node]
+            stack.extend(v for v in node if isinstance(v, (list, dict)))
+        elif isinstance(node, dict):
+            items = [(fix(k), fix(v)) for k, v in node.items()]
+            node.clear()
+            node.update(items)
+            stack.extend(v for _, v in items if isinstance(v, (list, dict)))
+    return fix(value)

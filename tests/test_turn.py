@@ -141,6 +141,27 @@ def test_json_arguments_may_hold_the_closing_markup():
     assert parse_tool_calls(plain)[1][0].arguments == {"a": "[1, 2] and more"}
 
 
+def _call(value: str) -> str:
+    return f"<tool_call>\n<function=f>\n<parameter=a>\n{value}\n</parameter>\n</function>\n</tool_call>"
+
+
+def test_generated_arguments_are_valid_unicode_and_any_depth_parses():
+    """A model may write escapes JSON decodes but UTF-8 cannot encode (a lone `\\ud800`):
+    they become U+FFFD (pairs stay one character), so logging or sending the call cannot fail;
+    a value nested past what Python's JSON decoder takes is the plain string, not a crash."""
+    (call,) = parse_tool_calls(_call('{"k\\udc00": ["\\ud800b", "\\ud83d\\ude00", 7]}'))[1]
+    assert call.arguments == {"a": {"k\ufffd": ["\ufffdb", "\U0001f600", 7]}}
+    json.dumps(call.arguments, ensure_ascii=False).encode()  # what a session log does
+    deep = "[" * 5000 + "]" * 5000
+    (call,) = parse_tool_calls(_call(deep))[1]
+    assert call.arguments == {"a": deep}
+    (call,) = parse_tool_calls(_call("[" * 800 + '"\\ud800"' + "]" * 800))[1]
+    value = call.arguments["a"]
+    for _ in range(800):
+        (value,) = value
+    assert value == "\ufffd"
+
+
 @pytest.mark.parametrize(
     "bad",
     ["<tool_call>\n<function=f>\n", "<tool_call>oops</tool_call>",
