@@ -86,6 +86,41 @@ def test_config_that_does_not_match_the_weights(copy_of_tiny):
         engine.load(str(copy_of_tiny))
 
 
+def _set(path: str, value):
+    """Sets `path` (keys joined by '.') in a config.json document to `value`."""
+
+    def edit(cfg):
+        *keys, last = path.split(".")
+        for key in keys:
+            cfg = cfg[key]
+        cfg[last] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda cfg: [cfg], "config.json: not a JSON object"),
+        (_set("text_config", [1]), "config.json: text_config must be a JSON object"),
+        (_set("text_config.rope_parameters", "x"), "rope_parameters must be a JSON object"),
+        (_set("text_config.hidden_size", "64"), "'hidden_size' must be int, got str"),
+        (_set("text_config.num_hidden_layers", 8.0), "'num_hidden_layers' must be int, got float"),
+        (_set("text_config.full_attention_interval", 0), "'full_attention_interval' must be pos"),
+        (_set("text_config.num_key_value_heads", -2), "'num_key_value_heads' must be positive"),
+        (_set("text_config.tie_word_embeddings", "false"), "'tie_word_embeddings' must be bool"),
+        (_set("text_config.rms_norm_eps", None), "'rms_norm_eps' must be float, got NoneType"),
+    ],
+)
+def test_config_with_wrong_types_or_values_names_the_field(copy_of_tiny, edit, message):
+    cfg_file = copy_of_tiny / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg = edit(cfg) or cfg
+    cfg_file.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=message):
+        engine.load(str(copy_of_tiny))
+
+
 def test_transformers_saved_checkpoint_loads(tiny, tmp_path):
     torch = pytest.importorskip("torch", reason="saving with transformers needs torch==2.13.0")
     import transformers.models.qwen3_5.modeling_qwen3_5 as hf

@@ -88,3 +88,13 @@ def test_wrong_types_and_values_are_errors(doc):
     bad["models"]["tiny"]["arch"]["linear_num_value_heads"] = 5
     with pytest.raises(RegistryError, match="multiple of linear_num_key_heads"):
         parse_registry(bad)
+    for field, value, message in [
+        ("full_attention_interval", 0, "'full_attention_interval' must be positive, got 0"),
+        ("num_hidden_layers", -8, "'num_hidden_layers' must be positive, got -8"),
+        ("partial_rotary_factor", 1.5, "'partial_rotary_factor' must be in"),
+        ("mtp_num_hidden_layers", -1, "'mtp_num_hidden_layers' must be >= 0"),
+    ]:
+        bad = copy.deepcopy(doc)
+        bad["models"]["tiny"]["arch"][field] = value
+        with pytest.raises(RegistryError, match=rf"'tiny' arch.*{message}"):
+            parse_registry(bad)

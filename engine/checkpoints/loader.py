@@ -76,41 +76,43 @@ def resolve(model: str | os.PathLike) -> tuple[Path, ModelEntry | None]:
 
 
 def _arch_from_config(text: dict, where: str) -> Architecture:
+    """The Architecture config.json describes; a missing, mistyped or out-of-range field is a
+    CheckpointError naming it (never a TypeError or ZeroDivisionError from deep inside)."""
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{where}: text_config must be a JSON object")
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    try:
-        layers = text["num_hidden_layers"]
-        return Architecture(
-            hidden_size=text["hidden_size"],
-            num_hidden_layers=layers,
-            num_attention_heads=text["num_attention_heads"],
-            num_key_value_heads=text["num_key_value_heads"],
-            head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
-            intermediate_size=text.get("intermediate_size", 0)
-            if not text.get("num_experts")
-            else 0,
-            vocab_size=text["vocab_size"],
-            linear_num_key_heads=text["linear_num_key_heads"],
-            linear_num_value_heads=text["linear_num_value_heads"],
-            linear_key_head_dim=text["linear_key_head_dim"],
-            linear_value_head_dim=text["linear_value_head_dim"],
-            linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
-            full_attention_interval=text.get("full_attention_interval", 4),
-            max_position_embeddings=text.get("max_position_embeddings", 262144),
-            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 1e7))),
-            partial_rotary_factor=float(
-                rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-            ),
-            mrope_section=tuple(rope.get("mrope_section", (11, 11, 10))),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
-            num_experts=text.get("num_experts", 0),
-            num_experts_per_tok=text.get("num_experts_per_tok", 0),
-            moe_intermediate_size=text.get("moe_intermediate_size", 0),
-            shared_expert_intermediate_size=text.get("shared_expert_intermediate_size", 0),
-            mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0),
-        )
-    except KeyError as e:
-        raise CheckpointError(f"{where}: missing field {e.args[0]!r}") from None
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{where}: rope_parameters must be a JSON object")
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "vocab_size", "linear_num_key_heads", "linear_num_value_heads",
+                "linear_key_head_dim", "linear_value_head_dim")  # fmt: skip
+    if missing := [k for k in required if k not in text]:
+        raise CheckpointError(f"{where}: missing field {missing[0]!r}")
+    moe = bool(text.get("num_experts"))
+    raw = {k: text[k] for k in required} | {
+        "intermediate_size": 0 if moe else text.get("intermediate_size", 0),
+        "linear_conv_kernel_dim": text.get("linear_conv_kernel_dim", 4),
+        "full_attention_interval": text.get("full_attention_interval", 4),
+        "max_position_embeddings": text.get("max_position_embeddings", 262144),
+        "rope_theta": rope.get("rope_theta", text.get("rope_theta", 1e7)),
+        "partial_rotary_factor": rope.get(
+            "partial_rotary_factor", text.get("partial_rotary_factor", 0.25)
+        ),
+        "mrope_section": rope.get("mrope_section", [11, 11, 10]),
+        "rms_norm_eps": text.get("rms_norm_eps", 1e-6),
+        "tie_word_embeddings": text.get("tie_word_embeddings", False),
+        "num_experts": text.get("num_experts", 0),
+        "num_experts_per_tok": text.get("num_experts_per_tok", 0),
+        "moe_intermediate_size": text.get("moe_intermediate_size", 0),
+        "shared_expert_intermediate_size": text.get("shared_expert_intermediate_size", 0),
+        "mtp_num_hidden_layers": text.get("mtp_num_hidden_layers", 0),
+    }
+    size, heads = raw["hidden_size"], raw["num_attention_heads"]
+    derived = size // heads if type(size) is type(heads) is int and heads > 0 else 0
+    try:  # a bad hidden_size or num_attention_heads is named before the head_dim it gives
+        return registry.typed_arch(where, {**raw, "head_dim": text.get("head_dim") or derived})
+    except registry.RegistryError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _template_variant(path: Path) -> str | None:
@@ -169,6 +171,8 @@ def inspect(path: Path, entry: ModelEntry | None = None) -> Checkpoint:
         config = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{cfg_file}: not a JSON object")
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_TYPES:
         raise CheckpointError(

@@ -137,17 +137,41 @@ def _typed(where: str, name: str, value: Any, kind: type) -> Any:
 _ARCH_TYPES = typing.get_type_hints(Architecture)
 
 
-def _parse_arch(where: str, raw: dict) -> Architecture:
-    _check_keys(where, raw, Architecture, defaults_ok=True)
+# Architecture fields that may be 0 (a dense model's MoE sizes, a MoE's intermediate_size, no
+# MTP head); every other number must be positive.
+_MAY_BE_ZERO = {"intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "mtp_num_hidden_layers"}  # fmt: skip
+
+
+def typed_arch(where: str, raw: dict) -> Architecture:
+    """An Architecture from `raw` (field name -> value), each value of its field's type and
+    in range: a zero, negative or non-integer size is an error naming the field."""
     values = {}
     for name, value in raw.items():
         if name == "mrope_section":
-            if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
+            if not isinstance(value, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value
+            ):
                 raise RegistryError(f"{where}: field 'mrope_section' must be a list of ints")
             values[name] = tuple(value)
+            continue
+        values[name] = value = _typed(where, name, value, _ARCH_TYPES[name])
+        if isinstance(value, bool):
+            continue
+        if name == "partial_rotary_factor":
+            bad, what = not 0 < value <= 1, "in (0, 1]"
+        elif name in _MAY_BE_ZERO:
+            bad, what = value < 0, ">= 0"
         else:
-            values[name] = _typed(where, name, value, _ARCH_TYPES[name])
-    arch = Architecture(**values)
+            bad, what = value <= 0, "positive"
+        if bad:
+            raise RegistryError(f"{where}: field {name!r} must be {what}, got {value!r}")
+    return Architecture(**values)
+
+
+def _parse_arch(where: str, raw: dict) -> Architecture:
+    _check_keys(where, raw, Architecture, defaults_ok=True)
+    arch = typed_arch(where, raw)
     if arch.linear_num_value_heads % arch.linear_num_key_heads:
         raise RegistryError(
             f"{where}: linear_num_value_heads must be a multiple of linear_num_key_heads"
