@@ -110,6 +110,15 @@ def _set(path: str, value):
         (_set("text_config.num_key_value_heads", -2), "'num_key_value_heads' must be positive"),
         (_set("text_config.tie_word_embeddings", "false"), "'tie_word_embeddings' must be bool"),
         (_set("text_config.rms_norm_eps", None), "'rms_norm_eps' must be float, got NoneType"),
+        (
+            _set("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]}),
+            "quantization_config is 'fp8', not MLX's quantized format",
+        ),
+        (_set("quantization", {"group_size": 64}), "quantization bits must be a positive int"),
+        (
+            _set("quantization", {"group_size": 64, "bits": 4, "layers.0.mlp": {"bits": "8"}}),
+            r"quantization\['layers.0.mlp'\] bits must be a positive integer, got '8'",
+        ),
     ],
 )
 def test_config_with_wrong_types_or_values_names_the_field(copy_of_tiny, edit, message):

@@ -208,11 +208,37 @@ def inspect(path: Path, entry: ModelEntry | None = None) -> Checkpoint:
     else:
         entry = replace(entry, arch=arch, template=variant or entry.template)
     quant = config.get("quantization") or config.get("quantization_config")
+    if quant is not None:
+        _check_quantization(quant, cfg_file)
     return Checkpoint(path, entry, digest.hexdigest()[:16], quant, read_generation_config(path),
                       mtp)  # fmt: skip
 
 
 _MTP_PREFIXES = ("mtp.", "model.mtp.")
+
+
+def _check_quantization(q, cfg_file: Path) -> None:
+    """config.json's quantization must be MLX's (mlx-lm's `quantization`: group_size, bits,
+    mode, per-module overrides); other formats (FP8, GPTQ, AWQ...) are refused by name."""
+    if not isinstance(q, dict):
+        raise CheckpointError(f"{cfg_file}: quantization must be a JSON object")
+    if "quant_method" in q:
+        raise CheckpointError(
+            f"{cfg_file}: quantization_config is {q['quant_method']!r}, not MLX's quantized "
+            "format: load the unquantized checkpoint (quantize= quantizes it at load) or an "
+            "MLX conversion"
+        )
+    for where, setting in [("quantization", q)] + [
+        (f"quantization[{k!r}]", v) for k, v in q.items() if isinstance(v, dict)
+    ]:
+        for key in ("group_size", "bits"):
+            value = setting.get(key)
+            if (value is not None or setting is q) and (type(value) is not int or value <= 0):
+                raise CheckpointError(
+                    f"{cfg_file}: {where} {key} must be a positive integer, got {value!r}"
+                )
+        if not isinstance(setting.get("mode", ""), str):
+            raise CheckpointError(f"{cfg_file}: {where} mode must be a string")
 
 
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "U8": 1, "I8": 1}
