@@ -71,6 +71,55 @@ def test_garbage_safetensors(copy_of_tiny):
         engine.load(str(copy_of_tiny))
 
 
+@pytest.fixture
+def sharded_tiny(tiny, tmp_path):
+    """tiny split into two shards with their index, as the Hub stores bigger checkpoints."""
+    dst = tmp_path / "sharded"
+    shutil.copytree(tiny.path, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    weights = sorted(mx.load(str(tiny.path / "model.safetensors")).items())
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    halves = [dict(weights[: len(weights) // 2]), dict(weights[len(weights) // 2 :])]
+    for name, half in zip(names, halves):
+        mx.save_safetensors(str(dst / name), half, metadata={"format": "pt"})
+    index = {"weight_map": {k: n for n, half in zip(names, halves) for k in half}}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst
+
+
+def test_sharded_checkpoint_loads(tiny, sharded_tiny):
+    ids = tiny.tokenizer.encode("<|im_start|>user\nhi there<|im_end|>\n")
+    loaded = engine.load(str(sharded_tiny))
+    expected = tiny.model(mx.array([ids]), tiny.model.make_caches())
+    assert mx.array_equal(loaded.model(mx.array([ids]), loaded.model.make_caches()), expected)
+
+
+def test_missing_shard_is_named(sharded_tiny):
+    (sharded_tiny / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(
+        CheckpointError,
+        match=r"index.json: shard model-00002-of-00002.safetensors is missing \(1 of 2",
+    ):
+        engine.load(str(sharded_tiny))
+
+
+def test_a_tensor_in_two_files_is_refused(tiny, sharded_tiny):
+    # A leftover single-file copy beside the shards: which one wins was the glob's order.
+    shutil.copy(tiny.path / "model.safetensors", sharded_tiny)
+    with pytest.raises(CheckpointError, match=r"tensor \S+ is in both model-0000[12]-of-00002"
+                       r".safetensors and model.safetensors"):  # fmt: skip
+        engine.load(str(sharded_tiny))
+
+
+def test_unreadable_weight_files_are_named(copy_of_tiny):
+    (copy_of_tiny / "extra.safetensors").symlink_to(copy_of_tiny / "gone.safetensors")
+    with pytest.raises(CheckpointError, match=r"extra.safetensors: cannot read it"):
+        engine.load(str(copy_of_tiny))
+    (copy_of_tiny / "extra.safetensors").unlink()
+    (copy_of_tiny / "extra.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00[]")
+    with pytest.raises(CheckpointError, match=r"extra.safetensors: corrupt safetensors header"):
+        engine.load(str(copy_of_tiny))
+
+
 def test_other_architecture(copy_of_tiny):
     cfg = copy_of_tiny / "config.json"
     cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))

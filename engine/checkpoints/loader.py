@@ -132,29 +132,50 @@ def _template_variant(path: Path) -> str | None:
     return None
 
 
+INDEX = "model.safetensors.index.json"
+
+
 def _weight_files(path: Path) -> list[Path]:
-    files = sorted(path.glob("*.safetensors"))
+    """The folder's safetensors files; each shard its index names must be there."""
+    files = sorted(f for f in path.glob("*.safetensors") if not f.is_dir())
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weight files")
+    if (index := path / INDEX).exists():
+        try:
+            shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e!r})") from None
+        if missing := sorted(str(s) for s in shards if not (path / str(s)).is_file()):
+            raise CheckpointError(
+                f"{index}: shard {missing[0]} is missing ({len(missing)} of {len(shards)} "
+                "shards missing: an interrupted download?)"
+            )
     return files
 
 
 def _safetensors_header(file: Path) -> bytes:
     """The JSON header of a safetensors file, checked for the damage we can see cheaply."""
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > 100 << 20:
-            raise CheckpointError(f"{file}: corrupt safetensors header (length {n})")
-        raw = f.read(n)
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100 << 20:
+                raise CheckpointError(f"{file}: corrupt safetensors header (length {n})")
+            raw = f.read(n)
+    except OSError as e:  # a dangling symlink, no permission...
+        raise CheckpointError(f"{file}: cannot read it ({e.strerror or e})") from None
     try:
         header = json.loads(raw)
+        end = max(
+            (t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0
+        )
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise CheckpointError(f"{file}: corrupt safetensors header (not JSON)") from None
-    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (AttributeError, KeyError, IndexError, TypeError):
+        raise CheckpointError(f"{file}: corrupt safetensors header (no tensor table)") from None
     if 8 + n + end != size:
         raise CheckpointError(
             f"{file}: safetensors file is {size} bytes, its header describes {8 + n + end}"
@@ -183,10 +204,17 @@ def inspect(path: Path, entry: ModelEntry | None = None) -> Checkpoint:
     arch = _arch_from_config(text, str(cfg_file))
     digest = hashlib.sha256(cfg_file.read_bytes())
     mtp = 0
+    where: dict[str, str] = {}  # tensor name -> the file holding it
     for f in _weight_files(path):
         header = _safetensors_header(f)
         digest.update(f.name.encode() + header + str(f.stat().st_size).encode())
-        mtp += sum(k.startswith(_MTP_PREFIXES) for k in json.loads(header))
+        names = [k for k in json.loads(header) if k != "__metadata__"]
+        for k in names:  # loading would silently keep one of the two
+            if (other := where.setdefault(k, f.name)) != f.name:
+                raise CheckpointError(
+                    f"{path}: tensor {k} is in both {other} and {f.name} (a leftover file?)"
+                )
+        mtp += sum(k.startswith(_MTP_PREFIXES) for k in names)
     if not (path / "tokenizer.json").exists():
         raise CheckpointError(f"{path}: no tokenizer.json")
     variant = _template_variant(path)
