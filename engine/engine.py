@@ -446,7 +446,7 @@ def _load(model, *, dtype, chunked_delta, cache_bytes, quantize, speculative, sp
             from .runtime.follower import follow
 
             follow(net, link)  # serves rank 0, then exits the process
-    tok = load_tokenizer(path)
+    tok = load_tokenizer(path, ckpt.entry)
     stops = tuple(tok.token_id(t) for t in ckpt.entry.stop_tokens)
     if cache_bytes is None:
         cache_bytes = memory.default_budget(need, mem)

@@ -120,6 +120,44 @@ def test_unreadable_weight_files_are_named(copy_of_tiny):
         engine.load(str(copy_of_tiny))
 
 
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("tokenizer_config.json", "{oops", "tokenizer_config.json: not valid JSON"),
+        ("tokenizer_config.json", "[]", "tokenizer_config.json: not a JSON object"),
+        ("tokenizer.json", "{oops", "tokenizer.json: cannot be loaded"),
+    ],
+)
+def test_broken_tokenizer_files_are_named(copy_of_tiny, name, text, message):
+    (copy_of_tiny / name).write_text(text)
+    with pytest.raises(CheckpointError, match=message):
+        engine.load(str(copy_of_tiny))
+
+
+def test_tokenizer_without_the_stop_token(copy_of_tiny):
+    f = copy_of_tiny / "tokenizer.json"
+    tok = json.loads(f.read_text(encoding="utf-8"))
+    tok["added_tokens"] = [t for t in tok["added_tokens"] if t["content"] != "<|im_end|>"]
+    f.write_text(json.dumps(tok), encoding="utf-8")
+    with pytest.raises(CheckpointError, match=r"tokenizer.json: no stop token '<\|im_end\|>'"):
+        engine.load(str(copy_of_tiny))
+
+
+def test_tokenizer_with_ids_past_the_embedding_table(tmp_path):
+    # The real tokenizer on a model of 1000 rows: <|im_end|> (248046) would be gathered
+    # from past the table's end (MLX checks no indices), not refused.
+    import dataclasses
+
+    from engine.checkpoints import registry
+    from engine.checkpoints.builder import build
+
+    tiny = registry.get("tiny")
+    entry = dataclasses.replace(tiny, arch=dataclasses.replace(tiny.arch, vocab_size=1000))
+    path = build(entry, tmp_path / "small-vocab")
+    with pytest.raises(CheckpointError, match="token ids reach 248076, the model's vocab_size"):
+        engine.load(str(path))
+
+
 def test_other_architecture(copy_of_tiny):
     cfg = copy_of_tiny / "config.json"
     cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))

@@ -115,6 +115,17 @@ def _arch_from_config(text: dict, where: str) -> Architecture:
         raise CheckpointError(str(e)) from None
 
 
+def _json_object(file: Path) -> dict:
+    """A JSON file that must hold an object (a CheckpointError naming it otherwise)."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file}: not a JSON object")
+    return value
+
+
 def _template_variant(path: Path) -> str | None:
     """Which official template the folder ships (compared byte for byte), if any."""
     for candidate in (path / "chat_template.jinja",):
@@ -125,7 +136,7 @@ def _template_variant(path: Path) -> str | None:
                     return variant
     cfg = path / "tokenizer_config.json"
     if cfg.exists():
-        text = json.loads(cfg.read_text()).get("chat_template")
+        text = _json_object(cfg).get("chat_template")
         for variant in registry.TEMPLATE_VARIANTS:
             if isinstance(text, str) and (TEMPLATE_DIR / f"{variant}.jinja").read_text() == text:
                 return variant
@@ -419,5 +430,27 @@ def dequantize(model, dtype) -> None:
     model.update_modules(leaves)
 
 
-def load_tokenizer(path: Path) -> Tokenizer:
-    return Tokenizer.from_folder(path)
+def load_tokenizer(path: Path, entry: ModelEntry | None = None) -> Tokenizer:
+    """The folder's tokenizer; with `entry`, checked against it: its stop tokens are in the
+    vocabulary and no token id is past the model's embedding rows (MLX does not check a
+    gather's indices: such an id would read memory past the table, not fail)."""
+    if (cfg := path / "tokenizer_config.json").exists():
+        _json_object(cfg)  # its special flags are read too: a broken file is named
+    try:
+        tok = Tokenizer.from_folder(path)
+    except Exception as e:  # the tokenizers library raises plain Exceptions
+        raise CheckpointError(f"{path / 'tokenizer.json'}: cannot be loaded ({e})") from None
+    if entry is None:
+        return tok
+    for token in entry.stop_tokens:
+        if tok.backend.token_to_id(token) is None:
+            raise CheckpointError(
+                f"{path / 'tokenizer.json'}: no stop token {token!r} (not a Qwen3.5 tokenizer?)"
+            )
+    top = max(tok.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= entry.arch.vocab_size:
+        raise CheckpointError(
+            f"{path / 'tokenizer.json'}: token ids reach {top}, the model's vocab_size is "
+            f"{entry.arch.vocab_size} (config.json): tokenizer and weights do not belong together"
+        )
+    return tok
