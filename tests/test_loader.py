@@ -217,6 +217,22 @@ def test_config_with_wrong_types_or_values_names_the_field(copy_of_tiny, edit, m
         engine.load(str(copy_of_tiny))
 
 
+@pytest.mark.parametrize("dtype", [mx.uint32, mx.int32, mx.bool_])
+def test_a_tensor_of_a_non_float_dtype_is_refused(copy_of_tiny, dtype):
+    # It was cast to the compute dtype (int32, bool) or kept as is (uint32, taken for a
+    # quantized layer's packed weight): a model answering from the wrong numbers.
+    f = copy_of_tiny / "model.safetensors"
+    weights = mx.load(str(f))
+    key = "model.language_model.layers.3.self_attn.q_proj.weight"
+    weights[key] = (weights[key] * 100).astype(dtype)
+    mx.save_safetensors(str(f), weights, metadata={"format": "pt"})
+    name = str(dtype).removeprefix("mlx.core.")
+    with pytest.raises(
+        CheckpointError, match=rf"layers.3.self_attn.q_proj.weight is {name}, expected a floating"
+    ):
+        engine.load(str(copy_of_tiny))
+
+
 def test_transformers_saved_checkpoint_loads(tiny, tmp_path):
     torch = pytest.importorskip("torch", reason="saving with transformers needs torch==2.13.0")
     import transformers.models.qwen3_5.modeling_qwen3_5 as hf

@@ -372,7 +372,13 @@ def load_weights(
                 f"{ckpt.path}: tensor {k} has shape {tuple(v.shape)}, config implies "
                 f"{tuple(expected[k].shape)}"
             )
-        keep = k.endswith(("A_log", ".scales", ".biases")) or v.dtype == mx.uint32
+        packed = expected[k].dtype == mx.uint32  # a quantized layer's packed weight
+        if packed != (v.dtype == mx.uint32) or not (packed or mx.issubdtype(v.dtype, mx.floating)):
+            raise CheckpointError(
+                f"{ckpt.path}: tensor {k} is {str(v.dtype).removeprefix('mlx.core.')}, expected "
+                + ("packed uint32 (a quantized layer)" if packed else "a floating-point type")
+            )
+        keep = k.endswith(("A_log", ".scales", ".biases")) or packed
         if not keep:
             weights[k] = v.astype(dtype)
     model.load_weights(list(weights.items()), strict=True)
