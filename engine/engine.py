@@ -342,6 +342,10 @@ def load(
                                   or value < 0):  # fmt: skip
             raise ValueError(f"{name} must be a number of bytes (an integer >= 0) or None, "
                              f"got {value!r}")  # fmt: skip
+    if dtype is not None and (not isinstance(dtype, str) or dtype not in _DTYPES):
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or None, got {dtype!r}")
+    if quantize is not None and (type(quantize) is not int or quantize not in (4, 8)):
+        raise ValueError(f"quantize must be 8 or 4 (bits) or None, got {quantize!r}")
     spec = speculation(speculative, num_draft)
     if shard not in (None, "pipeline"):
         raise ValueError(f"shard must be 'pipeline' or None, got {shard!r}")
@@ -384,15 +388,12 @@ def _load(model, *, dtype, chunked_delta, cache_bytes, quantize, speculative, sp
         or ckpt.entry.compute_dtype.get(backend(), "float32")
     )
     if name not in _DTYPES:
-        given = "dtype" if dtype else "CHATML_DTYPE"
-        raise ValueError(f"{given} must be one of {', '.join(_DTYPES)}, got {name!r}")
+        raise ValueError(f"CHATML_DTYPE must be one of {', '.join(_DTYPES)}, got {name!r}")
     if ckpt.entry.arch.is_moe and backend() == "cpu" and name != "float32":
         raise ValueError(
             f"{name} mixture-of-experts models need a GPU: MLX's CPU gather_mm (the routed "
             "experts) supports float32 only; use dtype='float32' on a CPU"
         )
-    if quantize not in (None, 4, 8):
-        raise ValueError(f"quantize must be 8 or 4 (bits), got {quantize!r}")
     if quantize and ckpt.quantization:
         raise ValueError(f"quantize={quantize}: {path} is already quantized")
     cpu = backend() == "cpu"

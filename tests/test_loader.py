@@ -43,6 +43,12 @@ def test_unknown_name():
         ({"cache_bytes": 1.5e9}, "cache_bytes must be a number of bytes"),
         ({"disk_cache_bytes": -1}, "disk_cache_bytes must be a number of bytes"),
         ({"model": ""}, "model must be a registry alias, a checkpoint folder or a Hub id"),
+        ({"quantize": 4.0}, "quantize must be 8 or 4"),  # went on to a TypeError in MLX
+        ({"quantize": True}, "quantize must be 8 or 4"),
+        ({"quantize": 3}, "quantize must be 8 or 4"),
+        ({"dtype": ""}, "dtype must be one of float32, bfloat16, float16 or None, got ''"),
+        ({"dtype": ["float32"]}, "dtype must be one of"),  # was TypeError: unhashable type
+        ({"dtype": "float64"}, "dtype must be one of"),
     ],
 )
 def test_bad_load_arguments_are_refused_before_loading(monkeypatch, options, message):
