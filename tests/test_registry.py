@@ -98,3 +98,32 @@ def test_wrong_types_and_values_are_errors(doc):
         bad["models"]["tiny"]["arch"][field] = value
         with pytest.raises(RegistryError, match=rf"'tiny' arch.*{message}"):
             parse_registry(bad)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        # A bare string was taken as a list of one-character stop tokens: '<' stopped a turn.
+        ("stop_tokens", "<|im_end|>", "'stop_tokens' must be a list of strings"),
+        ("stop_tokens", [], "'stop_tokens' must not be empty"),
+        ("mlx", "mlx-community/x", "'mlx' must be a list of strings"),
+        ("compute_dtype", "float32", "'compute_dtype' must map cpu and/or gpu"),
+        ("compute_dtype", {"cpu": "float64"}, "'compute_dtype.cpu' must be one of float32"),
+        ("dtype", "int8", "'dtype' must be one of float32, bfloat16, float16"),
+        ("context_window", 0, "'context_window' must be positive"),
+        ("seed", -1, "'seed' must be >= 0"),
+        ("arch", [1], "expected a mapping"),
+    ],
+)
+def test_entry_values_are_checked(doc, field, value, message):
+    bad = copy.deepcopy(doc)
+    bad["models"]["tiny"][field] = value
+    with pytest.raises(RegistryError, match=rf"'tiny'.*{message}"):
+        parse_registry(bad)
+
+
+def test_defaults_must_be_a_mapping(doc):
+    for defaults in ([1], {"arch": [1]}):  # were TypeErrors from the merge
+        bad = {**doc, "defaults": defaults}
+        with pytest.raises(RegistryError, match="'defaults' and its 'arch' must be mappings"):
+            parse_registry(bad)

@@ -134,6 +134,37 @@ def _typed(where: str, name: str, value: Any, kind: type) -> Any:
     return value
 
 
+def _positive(where: str, name: str, value: Any, zero: bool = False) -> int:
+    value = _typed(where, name, value, int)
+    if value < 0 or value == 0 and not zero:
+        raise RegistryError(f"{where}: field {name!r} must be {'>= 0' if zero else 'positive'}")
+    return value
+
+
+def _strings(where: str, name: str, value: Any, empty: bool = True) -> tuple[str, ...]:
+    """A list of strings (a bare string would become a tuple of its characters)."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise RegistryError(f"{where}: field {name!r} must be a list of strings")
+    if not value and not empty:
+        raise RegistryError(f"{where}: field {name!r} must not be empty")
+    return tuple(value)
+
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def _dtype(where: str, name: str, value: Any) -> str:
+    if value not in DTYPE_NAMES:  # also refuses non-strings
+        raise RegistryError(f"{where}: field {name!r} must be one of {', '.join(DTYPE_NAMES)}")
+    return value
+
+
+def _compute_dtype(where: str, value: Any) -> dict[str, str]:
+    if not isinstance(value, dict) or not set(value) <= {"cpu", "gpu"}:
+        raise RegistryError(f"{where}: field 'compute_dtype' must map cpu and/or gpu to a dtype")
+    return {k: _dtype(where, f"compute_dtype.{k}", v) for k, v in value.items()}
+
+
 _ARCH_TYPES = typing.get_type_hints(Architecture)
 
 
@@ -197,12 +228,14 @@ def parse_registry(doc: dict, source: str = "models.yaml") -> dict[str, ModelEnt
     unknown = sorted(set(doc) - {"defaults", "models"})
     if unknown:
         raise RegistryError(f"{source}: unknown top-level key {unknown[0]!r}")
-    defaults = dict(doc.get("defaults") or {})
+    defaults = doc.get("defaults") or {}
+    if not isinstance(defaults, dict) or not isinstance(defaults.get("arch", {}), dict):
+        raise RegistryError(f"{source}: 'defaults' and its 'arch' must be mappings")
     entries = {}
     for name, raw in doc["models"].items():
         where = f"{source}: model {name!r}"
-        if not isinstance(raw, dict):
-            raise RegistryError(f"{where}: expected a mapping")
+        if not isinstance(raw, dict) or not isinstance(raw.get("arch") or {}, dict):
+            raise RegistryError(f"{where}: expected a mapping (and its 'arch' one)")
         merged = {
             **defaults,
             **raw,
@@ -219,15 +252,15 @@ def parse_registry(doc: dict, source: str = "models.yaml") -> dict[str, ModelEnt
             hub=merged["hub"]
             if merged["hub"] is None
             else _typed(where, "hub", merged["hub"], str),
-            mlx=tuple(merged["mlx"]),
+            mlx=_strings(where, "mlx", merged["mlx"]),
             template=merged["template"],
             thinking_default=_typed(where, "thinking_default", merged["thinking_default"], bool),
-            context_window=_typed(where, "context_window", merged["context_window"], int),
-            stop_tokens=tuple(merged["stop_tokens"]),
-            dtype=_typed(where, "dtype", merged["dtype"], str),
-            compute_dtype=dict(merged["compute_dtype"]),
+            context_window=_positive(where, "context_window", merged["context_window"]),
+            stop_tokens=_strings(where, "stop_tokens", merged["stop_tokens"], empty=False),
+            dtype=_dtype(where, "dtype", merged["dtype"]),
+            compute_dtype=_compute_dtype(where, merged["compute_dtype"]),
             arch=_parse_arch(f"{where} arch", merged["arch"]),
-            seed=_typed(where, "seed", merged.get("seed", 0), int),
+            seed=_positive(where, "seed", merged.get("seed", 0), zero=True),
             trained=None
             if merged.get("trained") is None
             else _typed(where, "trained", merged["trained"], str),
