@@ -30,6 +30,20 @@ def test_missing_folder():
         engine.load("./does/not/exist")
 
 
+def test_a_path_object_is_a_folder_never_an_alias_or_hub_id(copy_of_tiny, monkeypatch):
+    from pathlib import Path
+
+    from engine.checkpoints.loader import resolve
+
+    monkeypatch.chdir(copy_of_tiny.parent)
+    copy_of_tiny.rename(copy_of_tiny.parent / "tiny")  # a folder named like the alias
+    path, entry = resolve(Path("tiny"))  # was the embedded model
+    assert (path.resolve(), entry) == (copy_of_tiny.parent / "tiny", None)
+    assert resolve("tiny")[1].name == "tiny"  # a string still names the alias first
+    with pytest.raises(CheckpointError, match="Qwen/Qwen3.5-0.8B: no such checkpoint folder"):
+        resolve(Path("Qwen/Qwen3.5-0.8B"))  # not a Hub download
+
+
 def test_unknown_name():
     with pytest.raises(CheckpointError, match="neither a registry alias"):
         engine.load("no-such-model")

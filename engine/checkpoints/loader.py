@@ -44,7 +44,13 @@ def embedded_path(entry: ModelEntry) -> Path:
 
 
 def resolve(model: str | os.PathLike) -> tuple[Path, ModelEntry | None]:
-    """Map an alias, a folder or a Hub id to a local folder (building embedded models)."""
+    """Map an alias, a folder or a Hub id to a local folder (building embedded models).
+    A path object (`os.PathLike`) is always a folder: `Path("tiny")` is not the alias."""
+    if isinstance(model, os.PathLike):
+        path = Path(model).expanduser()
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: no such checkpoint folder")
+        return path, None
     name = str(model)
     entries = registry.registry()
     if name in entries:
