@@ -69,6 +69,24 @@ def test_unknown_dtype_is_an_error(tmp_path):
         build(registry.get("tiny"), tmp_path / "x", dtype="int8")
 
 
+def test_only_an_empty_folder_or_an_earlier_build_is_replaced(tmp_path, monkeypatch):
+    from engine.checkpoints.loader import CheckpointError
+
+    entry = registry.get("tiny")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")  # `chatml models build tiny --out mine` erased it
+    with pytest.raises(CheckpointError, match="mine: exists and is not a checkpoint built here"):
+        build(entry, mine)
+    assert (mine / "notes.txt").read_text() == "keep me"
+    monkeypatch.chdir(mine)
+    with pytest.raises(CheckpointError, match="is not a checkpoint built here"):
+        build(entry, ".")  # was a ValueError from Path('.').with_name
+    (tmp_path / "empty").mkdir()
+    first = build(entry, tmp_path / "empty")
+    assert build(entry, first, seed=1) == first  # an earlier build is rebuilt in place
+
+
 @pytest.mark.parametrize("name", sorted(registry.registry()))
 def test_every_entry_has_a_consistent_plan(name):
     arch = registry.get(name).arch

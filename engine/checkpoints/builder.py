@@ -300,6 +300,21 @@ def hf_config(entry: ModelEntry, dtype: str) -> dict:
     }
 
 
+def _replaceable(folder: Path) -> bool:
+    """An empty folder, or one whose weight files this builder wrote (their metadata say so)."""
+    from .loader import CheckpointError, _safetensors_header
+
+    if not folder.is_dir() or folder.is_symlink():
+        return False
+    if not any(folder.iterdir()):
+        return True
+    try:
+        headers = [json.loads(_safetensors_header(f)) for f in folder.glob("*.safetensors")]
+    except CheckpointError:
+        return False
+    return bool(headers) and all("chatml_model" in h.get("__metadata__", {}) for h in headers)
+
+
 def build(
     entry: ModelEntry,
     out: str | os.PathLike,
@@ -308,12 +323,20 @@ def build(
     dtype: str | None = None,
     progress: bool = False,
 ) -> Path:
-    """Write `entry` as a checkpoint folder at `out` (replaced if it exists); returns the path."""
+    """Write `entry` as a checkpoint folder at `out`; returns the path. An existing `out` is
+    replaced only if it is empty or a checkpoint built here (CheckpointError otherwise)."""
     seed = entry.seed if seed is None else seed
     dtype = dtype or entry.dtype
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-    out = Path(out)
+    out = Path(out).absolute()  # "." has no name to put ".building" beside
+    if out.exists() and not _replaceable(out):
+        from .loader import CheckpointError
+
+        raise CheckpointError(
+            f"{out}: exists and is not a checkpoint built here; not replacing it (choose a new "
+            "or empty folder)"
+        )
     work = out.with_name(out.name + ".building")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
