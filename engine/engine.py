@@ -346,6 +346,8 @@ def load(
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or None, got {dtype!r}")
     if quantize is not None and (type(quantize) is not int or quantize not in (4, 8)):
         raise ValueError(f"quantize must be 8 or 4 (bits) or None, got {quantize!r}")
+    _check_count("max_batch", max_batch)  # here too: not after the weights are loaded
+    _check_count("pass_tokens", pass_tokens)
     spec = speculation(speculative, num_draft)
     if shard not in (None, "pipeline"):
         raise ValueError(f"shard must be 'pipeline' or None, got {shard!r}")

@@ -63,6 +63,8 @@ def test_unknown_name():
         ({"dtype": ""}, "dtype must be one of float32, bfloat16, float16 or None, got ''"),
         ({"dtype": ["float32"]}, "dtype must be one of"),  # was TypeError: unhashable type
         ({"dtype": "float64"}, "dtype must be one of"),
+        ({"max_batch": 0}, "max_batch must be an integer >= 1"),  # was checked after the load
+        ({"pass_tokens": 2.5}, "pass_tokens must be an integer >= 1"),
     ],
 )
 def test_bad_load_arguments_are_refused_before_loading(monkeypatch, options, message):
