@@ -148,10 +148,12 @@ def test_unreadable_weight_files_are_named(copy_of_tiny):
         ("tokenizer_config.json", "{oops", "tokenizer_config.json: not valid JSON"),
         ("tokenizer_config.json", "[]", "tokenizer_config.json: not a JSON object"),
         ("tokenizer.json", "{oops", "tokenizer.json: cannot be loaded"),
+        ("config.json", b"\xff\xfe{}", "config.json: not valid JSON"),  # a UnicodeDecodeError
     ],
 )
-def test_broken_tokenizer_files_are_named(copy_of_tiny, name, text, message):
-    (copy_of_tiny / name).write_text(text)
+def test_broken_json_files_are_named(copy_of_tiny, name, text, message):
+    f = copy_of_tiny / name
+    f.write_bytes(text) if isinstance(text, bytes) else f.write_text(text)
     with pytest.raises(CheckpointError, match=message):
         engine.load(str(copy_of_tiny))
 

@@ -205,12 +205,7 @@ def inspect(path: Path, entry: ModelEntry | None = None) -> Checkpoint:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{path}: no config.json (not a checkpoint folder)")
-    try:
-        config = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{cfg_file}: not a JSON object")
+    config = _json_object(cfg_file)
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_TYPES:
         raise CheckpointError(
