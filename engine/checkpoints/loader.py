@@ -304,7 +304,8 @@ def weights_nbytes(ckpt: Checkpoint, itemsize: int, *, dequantize_quantized: boo
             for d in t["shape"]:
                 n *= d
             if t["dtype"] == "U32" and ckpt.quantization:  # packed quantized weights
-                total += n * (32 // bits) * itemsize if dequantize_quantized else n * 4
+                # n words hold n * 32 / bits values (3, 5, 6 bits straddle words: not 32 // bits)
+                total += n * 32 // bits * itemsize if dequantize_quantized else n * 4
             elif ckpt.quantization and name.endswith((".scales", ".biases")):
                 total += 0 if dequantize_quantized else n * _ITEMSIZE.get(t["dtype"], 4)
             elif t["dtype"] in ("F64", "F32", "F16", "BF16") and not name.endswith("A_log"):
