@@ -182,6 +182,14 @@ def test_tokenizer_with_ids_past_the_embedding_table(tmp_path):
         engine.load(str(path))
 
 
+def test_a_chat_template_that_is_not_qwens_is_warned_about(copy_of_tiny):
+    (copy_of_tiny / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}"
+                                                      "{% endfor %}")  # fmt: skip
+    with pytest.warns(UserWarning, match="chat_template.jinja: the chat template is none of"):
+        eng = engine.load(str(copy_of_tiny))
+    assert eng.entry.template == "qwen3.5-small"  # what it renders with, as the warning says
+
+
 def test_other_architecture(copy_of_tiny):
     cfg = copy_of_tiny / "config.json"
     cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import struct
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -133,19 +134,26 @@ def _json_object(file: Path) -> dict:
 
 
 def _template_variant(path: Path) -> str | None:
-    """Which official template the folder ships (compared byte for byte), if any."""
-    for candidate in (path / "chat_template.jinja",):
-        if candidate.exists():
-            text = candidate.read_bytes()
-            for variant in registry.TEMPLATE_VARIANTS:
-                if (TEMPLATE_DIR / f"{variant}.jinja").read_bytes() == text:
-                    return variant
-    cfg = path / "tokenizer_config.json"
-    if cfg.exists():
+    """Which official template the folder ships (compared byte for byte), if any. A template
+    that is none of them is warned about: prompts are rendered with an official one."""
+    shipped = []
+    if (jinja := path / "chat_template.jinja").exists():
+        shipped.append((jinja, jinja.read_bytes()))
+    if (cfg := path / "tokenizer_config.json").exists():
         text = _json_object(cfg).get("chat_template")
+        if isinstance(text, str):
+            shipped.append((cfg, text.encode("utf-8", errors="replace")))
+    for _, text in shipped:
         for variant in registry.TEMPLATE_VARIANTS:
-            if isinstance(text, str) and (TEMPLATE_DIR / f"{variant}.jinja").read_text() == text:
+            if (TEMPLATE_DIR / f"{variant}.jinja").read_bytes() == text:
                 return variant
+    if shipped:
+        warnings.warn(
+            f"{shipped[0][0]}: the chat template is none of Qwen3.5's official ones "
+            f"({', '.join(registry.TEMPLATE_VARIANTS)}); prompts are rendered with an official "
+            "one, not with this template",
+            stacklevel=2,
+        )
     return None
 
 
