@@ -342,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("name", nargs="?")
     m.add_argument("--out", help="folder to write the checkpoint to (build)")
     m.add_argument(
-        "--seed", type=int, default=None, help="weight seed (build; default: the registry's)"
+        "--seed", type=number(0), default=None, help="weight seed (build; default: the registry's)"
     )
     m.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weight dtype (build; default: the registry's)")  # fmt: skip

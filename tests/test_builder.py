@@ -67,6 +67,9 @@ def test_bfloat16_rounds_like_mlx(tmp_path):
 def test_unknown_dtype_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="dtype must be one of"):
         build(registry.get("tiny"), tmp_path / "x", dtype="int8")
+    with pytest.raises(ValueError, match="seed must be an integer >= 0, got -1"):
+        build(registry.get("tiny"), tmp_path / "x", seed=-1)  # failed in numpy, mid-build
+    assert not list(tmp_path.iterdir())  # refused before anything is written
 
 
 def test_only_an_empty_folder_or_an_earlier_build_is_replaced(tmp_path, monkeypatch):

@@ -3,6 +3,8 @@
 import json
 import os
 
+import pytest
+
 from engine.checkpoints import registry
 from engine.checkpoints.builder import parameter_count
 from engine.cli import main
@@ -31,6 +33,10 @@ def test_models_errors(capsys):
     assert "unknown model 'nope'" in capsys.readouterr().err
     assert main(["models", "build", "tiny"]) == 2
     assert "--out DIR is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:  # was a numpy traceback, mid-build
+        main(["models", "build", "tiny", "--out", "x", "--seed", "-1"])
+    assert usage.value.code == 2
+    assert "--seed: must be >= 0, got -1" in capsys.readouterr().err
 
 
 def test_models_build_writes_a_loadable_checkpoint(tmp_path, capsys):

@@ -326,6 +326,8 @@ def build(
     """Write `entry` as a checkpoint folder at `out`; returns the path. An existing `out` is
     replaced only if it is empty or a checkpoint built here (CheckpointError otherwise)."""
     seed = entry.seed if seed is None else seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # numpy's seeds
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
     dtype = dtype or entry.dtype
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
