@@ -129,6 +129,7 @@ class Engine:
             self._batch.max_rows = n
         if self._worker is not None:
             self._worker.max_tasks = n
+            self._worker._wake.set()  # generations waiting for room start now
 
     def set_pass_tokens(self, n: int) -> None:
         """Run at most `n` tokens in one forward pass: prefill chunks are cut to fit beside

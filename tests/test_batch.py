@@ -638,3 +638,30 @@ def test_a_failed_batched_step_is_retried_row_by_row_and_fails_only_its_row(eng,
     monkeypatch.undo()
     # The failed row's sequence rolled back: the same request now answers as alone.
     check_alone(eng, Request(eng, messages(32)).turn())
+
+
+def test_raising_max_batch_starts_a_waiting_generation_at_once():
+    """max_batch 1: a second chat waits for the first, whose consumer holds its stream open
+    without asking for more. Raising max_batch must start the second now, not when the
+    first's consumer next asks (the model thread slept with nothing to wake it)."""
+    eng = engine.load("tiny", max_batch=1)
+    try:
+        first = eng.chat_stream(messages(40), max_tokens=MAX_TOKENS, warm=False)
+        next(first)  # open, its consumer away
+        got = []
+        second = threading.Thread(
+            target=lambda: got.append(eng.chat(messages(41), max_tokens=MAX_TOKENS, warm=False))
+        )
+        second.start()
+        deadline = time.monotonic() + 60
+        while len(eng.worker._waiting) < 1:  # taken in, it waits behind the first
+            assert time.monotonic() < deadline, "the second chat never reached the model thread"
+            time.sleep(0.01)
+        eng.set_max_batch(2)
+        second.join(30)
+        assert not second.is_alive(), "the second chat did not start when max_batch rose"
+        check_alone(eng, got[0])
+        first.close()
+        check_alone(eng, eng.chat(messages(40), max_tokens=MAX_TOKENS, warm=False))
+    finally:
+        eng.close()
