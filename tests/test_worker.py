@@ -173,6 +173,41 @@ def test_background_job_yields_to_queued_work_and_stopped_jobs_fail_clearly():
         worker.call(lambda: 1)
 
 
+def test_a_spawned_task_whose_end_callback_fails_ends_alone():
+    """`spawn`'s on_end runs on the model thread: one that raises ends its own task only (it
+    used to end the model thread, and every job and stream after it waited forever)."""
+    worker = ModelThread(threading.RLock())
+    ended = threading.Event()
+
+    def on_end(kind, value):
+        ended.set()
+        raise RuntimeError("the callback failed")
+
+    try:
+        job = worker.spawn(lambda: iter(range(2)), lambda item: None, on_end)
+        assert job.wait(30) and ended.is_set()
+        assert job.outcome() is None  # the generator itself returned
+        probe = worker.submit(Job(lambda job: 2 + 2))
+        assert probe.wait(30), "the model thread died with the callback"
+        assert probe.outcome() == 4
+        stream = worker.iterate(lambda: iter(range(3)))
+        assert list(stream) == [0, 1, 2]
+        # Queued behind a stop, its failing callback keeps no other job from hearing so.
+        go, holding = threading.Event(), threading.Event()
+        worker.submit(Job(lambda job: (holding.set(), go.wait(30))))
+        assert holding.wait(30)
+        ended.clear()
+        worker.spawn(lambda: iter(range(2)), lambda item: None, on_end)
+        behind = worker.submit(Job(lambda job: 1))
+        worker.stop(timeout=0)
+        go.set()
+        assert behind.wait(30) and ended.is_set()
+        with pytest.raises(WorkerStopped):
+            behind.outcome()
+    finally:
+        worker.stop()
+
+
 # ----- sessions on one engine ---------------------------------------------------------------
 
 

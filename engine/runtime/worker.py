@@ -26,6 +26,7 @@ until no task runs, and yields at its next chunk to any queued job: `should_yiel
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -46,6 +47,8 @@ ITEMS_PER_TURN = 4
 # one item at a time: `iterate`) are taking their last item: a thread that holds the GIL can
 # keep them from asking until it blocks; a consumer slower than this is stepped next time.
 GATHER_S = 0.002
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -72,9 +75,13 @@ class Job:
     def drop(self, error: BaseException) -> None:
         """End a job that will never run (the thread stopped first)."""
         self.error = error
-        if self.on_drop is not None:
-            self.on_drop(error)
-        self.done.set()
+        try:
+            if self.on_drop is not None:
+                self.on_drop(error)
+        except Exception:  # the caller's callback: the other jobs must still hear it
+            log.exception("a dropped job's callback failed")
+        finally:
+            self.done.set()
 
     def cancel(self) -> None:
         """Ask the job to stop: it checks at its next token or chunk (or skips if not started)."""
@@ -473,6 +480,8 @@ class _Task(Job):
             self.error = value
         try:
             self.end(kind, value)
+        except Exception:  # the caller's callback (`spawn`): it ends this task, not the thread
+            log.exception("a task's end callback failed")
         finally:
             self.done.set()
 
