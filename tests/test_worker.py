@@ -208,6 +208,31 @@ def test_a_spawned_task_whose_end_callback_fails_ends_alone():
         worker.stop()
 
 
+def test_a_job_submitted_as_the_thread_stops_is_told_not_lost():
+    """A submit that passed its check as another thread stopped the worker put its job in
+    the queue after the stopped thread's last look: nobody ever ran or dropped it, and its
+    caller (an `Engine.chat` beside `Engine.close`) waited forever."""
+    worker = ModelThread(threading.RLock())
+    real_put = worker.jobs.put
+
+    def put(job):  # the stop lands between submit's check and its put
+        if job is not None:
+            worker.stop(timeout=0)
+            worker._thread.join(2)
+        real_put(job)
+
+    worker.jobs.put = put
+    try:
+        job = worker.submit(Job(lambda job: 1))
+    except WorkerStopped:
+        return  # refused at once: as good
+    finally:
+        worker.stop()
+    assert job.wait(30), "the job was lost in the stopped thread's queue"
+    with pytest.raises(WorkerStopped):
+        job.outcome()
+
+
 # ----- sessions on one engine ---------------------------------------------------------------
 
 

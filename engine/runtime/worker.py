@@ -122,6 +122,9 @@ class ModelThread:
         self.idle = threading.Event()  # set while waiting for a job with none queued
         self.stopping = threading.Event()
         self._wake = threading.Event()  # something to do: a job, a consumer's request, a stop
+        # Held by `submit` from its check to its put, and by the stopped thread for its last
+        # look at the queue: a job is either refused, or queued before that look (dropped).
+        self._gate = threading.Lock()
         self._tasks: list[_Task] = []  # running generators, in turn order
         self._waiting: deque[_Task] = deque()  # started by their callers, over max_tasks
         self._later: deque[Job] = deque()  # background jobs, until no task runs
@@ -165,7 +168,10 @@ class ModelThread:
                 "starting other work on the model"
             )
         job.wake = self._wake.set
-        self.jobs.put(job)
+        with self._gate:
+            if self.stopping.is_set():  # stopped since the check above
+                raise WorkerStopped("the engine's model thread has stopped (engine closed)")
+            self.jobs.put(job)
         self._wake.set()
         return job
 
@@ -267,15 +273,17 @@ class ModelThread:
         for task in self._tasks:  # stopped under running generators: close them there
             with self.lock:
                 task.close(WorkerStopped("the engine's model thread stopped"))
-        # Jobs queued behind the stop never run: tell their callers.
+        # Jobs queued behind the stop never run: tell their callers. (Past the gate, no
+        # submit is half-way: any later one sees `stopping` and is refused.)
         dropped = [*self._waiting, *self._later]
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                dropped.append(job)
+        with self._gate:
+            while True:
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    dropped.append(job)
         for job in dropped:
             job.drop(WorkerStopped("the engine's model thread stopped before this job ran"))
 
