@@ -207,6 +207,17 @@ def test_hung_follower_ends_rank_0_after_the_timeout(tiny, tmp_path):
     assert "waited 5 s" in stderr and "hangs or its machine is unreachable" in stderr
 
 
+@pytest.mark.parametrize("raw", ["nan", "inf", "-1", "0", "soon"])
+def test_a_shard_timeout_that_is_no_finite_positive_number_is_refused(monkeypatch, raw):
+    # NaN disarmed the watchdog (no deadline compares as passed): a hung peer hung this rank
+    # for ever; inf crashed the heartbeat thread (time.sleep(inf)).
+    monkeypatch.setenv("CHATML_SHARD_TIMEOUT", raw)
+    with pytest.raises(shard.ShardError, match="CHATML_SHARD_TIMEOUT must be"):
+        shard.timeout()
+    monkeypatch.setenv("CHATML_SHARD_TIMEOUT", "2.5")
+    assert shard.timeout() == 2.5
+
+
 def test_ranks_on_different_checkpoints_refuse(tiny, tiny_moe, tmp_path):
     procs = _launch(tmp_path, ["tiny", str(tmp_path / "x")], models={1: str(tiny_moe.path)})
     for code, _, stderr in _finish(procs):

@@ -77,8 +77,8 @@ def timeout() -> float:
         value = float(raw) if raw else DEFAULT_TIMEOUT
     except ValueError:
         raise ShardError(f"CHATML_SHARD_TIMEOUT must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ShardError(f"CHATML_SHARD_TIMEOUT must be positive, got {raw!r}")
+    if not (math.isfinite(value) and value > 0):  # NaN would disarm the watchdog
+        raise ShardError(f"CHATML_SHARD_TIMEOUT must be a positive, finite number, got {raw!r}")
     return value
 
 
