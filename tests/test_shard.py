@@ -207,6 +207,26 @@ def test_hung_follower_ends_rank_0_after_the_timeout(tiny, tmp_path):
     assert "waited 5 s" in stderr and "hangs or its machine is unreachable" in stderr
 
 
+def test_a_follower_with_a_shorter_timeout_outlives_an_idle_rank_0(tiny, tmp_path):
+    # Each rank reads its own CHATML_SHARD_TIMEOUT. Rank 0 pinged at an eighth of its own
+    # (5 s here), so a follower waiting at most 3 s took an idle pipeline for a dead one and
+    # exited; rank 0 must ping within the shortest timeout of the group.
+    env = {0: {"CHATML_SHARD_TIMEOUT": "40"}, 1: {"CHATML_SHARD_TIMEOUT": "3"}}
+    procs = _launch(tmp_path, ["tiny", str(tmp_path / "x"), "--pause"], env)
+    _answering(procs)
+    try:
+        code = procs[1].wait(timeout=12)  # rank 0 idles: four follower timeouts
+    except subprocess.TimeoutExpired:
+        code = None
+    if code is not None:
+        procs[0].kill()
+        pytest.fail(f"the follower exited ({code}):\n{procs[1].stderr.read()[-3000:]}")
+    procs[0].stdin.write("go on\n")
+    procs[0].stdin.flush()
+    for rank, (code, _, stderr) in enumerate(_finish(procs)):
+        assert code == 0, f"rank {rank} failed:\n{stderr[-3000:]}"
+
+
 @pytest.mark.parametrize("raw", ["nan", "inf", "-1", "0", "soon"])
 def test_a_shard_timeout_that_is_no_finite_positive_number_is_refused(monkeypatch, raw):
     # NaN disarmed the watchdog (no deadline compares as passed): a hung peer hung this rank

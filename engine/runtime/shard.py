@@ -30,7 +30,8 @@ tie the file to one layout and need every machine's store to be there on resume)
 A rank that dies closes its sockets and the ring backend fails the others' pending transfer:
 they exit with a message. A rank that hangs (a machine gone without closing its sockets) is
 caught by a watchdog: no transfer waits longer than `CHATML_SHARD_TIMEOUT` seconds (default
-120), and an idle rank 0 pings the followers at a fraction of that.
+120; each rank reads its own), and an idle rank 0 pings the followers at a fraction of the
+shortest.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from .cache import KV_STEP, KVCache, RecurrentCache
 from .model import DecoderLayer, LanguageHead, ModelOptions, RMSNorm
 
 MODES = ("pipeline",)
-PROTOCOL = 2
+PROTOCOL = 3  # 3: the ranks exchange their timeouts at `connect`
 MAGIC = 0x63686D6C  # "chml": the first word of every message header
 OP_FORWARD, OP_PING, OP_STOP, OP_FETCH, OP_STORE = 1, 2, 3, 4, 5
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)  # hidden states and cache states travel in these
@@ -115,6 +116,7 @@ class Link:
         self.lock = threading.Lock()  # one message exchange at a time on this rank
         self.sent_bytes = self.received_bytes = 0  # headers and hidden states, this rank
         self.broken: str | None = None  # why the ring failed (then nothing more is sent)
+        self.shortest = limit  # the shortest timeout of any rank (`connect`): pings beat it
         self.last_sent = time.monotonic()
         self._deadline: float | None = None
         self._waiting_for, self._waiting_s = "", 0.0
@@ -287,6 +289,11 @@ def connect(ckpt, options: dict) -> Link:
             "the ranks disagree on the load options (dtype, quantize, chunked_delta) or the "
             f"engine version: launch the same command on every rank (this rank: {options})"
         )
+    # Each rank reads its own CHATML_SHARD_TIMEOUT: an idle rank 0 must ping within the
+    # shortest, or a follower with a shorter one takes it for dead.
+    with link.wait("for every rank's timeout", max(10 * link.limit, 600.0)):
+        limits = mx.distributed.all_gather(mx.array([link.limit], dtype=mx.float32), group=group)
+        link.shortest = min(link.limit, *limits.tolist())
     return link
 
 
@@ -598,7 +605,7 @@ def heartbeat(model: PipelineModel, worker_of) -> None:
     runs between the turns of open generations too (one whose consumer stalls included)."""
     from .worker import Job
 
-    every = max(model.link.limit / 8, 0.05)
+    every = max(model.link.shortest / 8, 0.05)
 
     def loop():
         pending = None
