@@ -514,6 +514,30 @@ def test_rows_picked_together_pick_as_each_row_alone(monkeypatch, path):
     assert calls == [2, 3, 1, *[1] * len(PICKS)] * 8
 
 
+def test_a_failed_pick_of_rows_leaves_the_others_drawing_as_alone():
+    """A batched step whose picks fail is retried row by row (`batch.Batch.step`), so a
+    failed `pick_rows` must leave every sampler as it was. A row of a later group (other
+    cuts) whose draw fails used to leave the seeded rows of earlier groups a key further on:
+    retried alone, they drew other tokens than alone."""
+
+    class Broken(Sampler):
+        def uniform(self):
+            raise RuntimeError("injected draw failure")
+
+    V = 5000
+    steps = mx.random.normal((8, 2, V), key=mx.random.key(9)) * 2
+    seeded = dict(temperature=0.8, top_k=20, top_p=0.95, seed=1)
+    row, alone = Sampler(SamplingParams(**seeded)), Sampler(SamplingParams(**seeded))
+    broken = Broken(SamplingParams(temperature=1.1, min_p=0.05, seed=4))
+    got, want = [], []
+    for logits in steps:
+        with pytest.raises(RuntimeError, match="injected draw failure"):
+            pick_rows([row, broken], list(logits), [[5], [5]])
+        got.append(pick_rows([row], [logits[0]], [[5]])[0].item())  # the retry, alone
+        want.append(alone(logits[0], [5]).item())
+    assert got == want
+
+
 @pytest.mark.parametrize("top_k, min_p, top_p", [(20, 0.05, 0.95), (0, 0.0, 1.0)])
 def test_residual_draws_agree_on_both_paths(monkeypatch, top_k, min_p, top_p):
     """`Sampler.residual` (speculative sampling's verify) with one key: the native pass and

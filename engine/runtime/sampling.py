@@ -474,16 +474,25 @@ def pick_rows(samplers: Sequence[Sampler], logits: Sequence[mx.array],
     key: a row's tokens do not depend on the rows beside it. If this raises, no sampler has
     taken a pick (`Sampler.begin`): the picks can be made again, together or row by row."""
     processed = [s.begin(x, h) for s, x, h in zip(samplers, logits, histories, strict=True)]
-    groups: dict[tuple, list[int]] = {}
-    for i, s in enumerate(samplers):
-        groups.setdefault(s.cuts, []).append(i)
-    picks: list = [None] * len(samplers)
-    for rows in groups.values():
-        tokens = _picks([processed[i] for i in rows], [samplers[i] for i in rows])
-        for i, token in zip(rows, tokens):
-            picks[i] = token
-    for s, x, pick in zip(samplers, logits, picks):
-        s.end(x, pick)
+    # A group's draw splits its seeded rows' keys, and `end` takes the pick: if a later
+    # group or row fails, the rows before it go back, or a retry would draw other tokens.
+    saved = [(s.key, len(s._pending)) for s in samplers]
+    try:
+        groups: dict[tuple, list[int]] = {}
+        for i, s in enumerate(samplers):
+            groups.setdefault(s.cuts, []).append(i)
+        picks: list = [None] * len(samplers)
+        for rows in groups.values():
+            tokens = _picks([processed[i] for i in rows], [samplers[i] for i in rows])
+            for i, token in zip(rows, tokens):
+                picks[i] = token
+        for s, x, pick in zip(samplers, logits, picks):
+            s.end(x, pick)
+    except BaseException:
+        for s, (key, pending) in zip(samplers, saved):
+            s.key, s._last = key, None
+            del s._pending[pending:]
+        raise
     return picks
 
 
