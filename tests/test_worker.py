@@ -233,6 +233,25 @@ def test_a_job_submitted_as_the_thread_stops_is_told_not_lost():
         job.outcome()
 
 
+def test_a_job_cancelled_before_it_started_never_runs():
+    """`Job.cancel` on a job still queued (what `run` does when Ctrl+C reaches its caller):
+    the job is skipped, as its docstring says; it used to run anyway, after its caller had
+    given up on it."""
+    worker = ModelThread(threading.RLock())
+    go, holding, ran = threading.Event(), threading.Event(), []
+    try:
+        worker.submit(Job(lambda job: (holding.set(), go.wait(30))))
+        assert holding.wait(30)
+        job = worker.submit(Job(lambda job: ran.append("ran")))
+        job.cancel()
+        go.set()
+        assert job.wait(30) and not job.started
+        assert worker.call(lambda: "next") == "next"
+        assert ran == []
+    finally:
+        worker.stop()
+
+
 # ----- sessions on one engine ---------------------------------------------------------------
 
 

@@ -325,6 +325,9 @@ class ModelThread:
         return started
 
     def _run(self, job: Job) -> None:
+        if job.cancelled.is_set():  # its caller gave up before it started (`cancel`): skip
+            job.done.set()
+            return
         job.started = True
         with self.lock:
             try:
