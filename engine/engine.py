@@ -127,9 +127,10 @@ class Engine:
         self.max_batch = n
         if self._batch is not None:
             self._batch.max_rows = n
-        if self._worker is not None:
-            self._worker.max_tasks = n
-            self._worker._wake.set()  # generations waiting for room start now
+        worker = self._worker  # once: close() on another thread may clear it
+        if worker is not None:
+            worker.max_tasks = n
+            worker._wake.set()  # generations waiting for room start now
 
     def set_pass_tokens(self, n: int) -> None:
         """Run at most `n` tokens in one forward pass: prefill chunks are cut to fit beside
@@ -138,7 +139,9 @@ class Engine:
         self.pass_tokens = n
         if self._batch is not None:
             self._batch.pass_tokens = n
-            self._worker._wake.set()
+        worker = self._worker  # None after close() (the batch stays for the next thread)
+        if worker is not None:
+            worker._wake.set()
 
     def batch_here(self) -> Batch | None:
         """The batch a generation running here files its decode steps with: inside a task's

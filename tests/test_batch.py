@@ -665,3 +665,19 @@ def test_raising_max_batch_starts_a_waiting_generation_at_once():
         check_alone(eng, eng.chat(messages(40), max_tokens=MAX_TOKENS, warm=False))
     finally:
         eng.close()
+
+
+def test_batch_settings_change_on_a_closed_engine_and_hold_for_its_next_thread():
+    """close() drops the model thread but keeps the batch: setting pass_tokens then raised
+    AttributeError (it woke a thread that was gone), half-way through the change."""
+    eng = engine.load("tiny", max_batch=4)
+    try:
+        assert eng.worker.alive
+        eng.close()
+        eng.set_max_batch(2)
+        eng.set_pass_tokens(64)
+        worker = eng.worker  # a new thread
+        assert (worker.max_tasks, worker.batch.max_rows, worker.batch.pass_tokens) == (2, 2, 64)
+        check_alone(eng, eng.chat(messages(42), max_tokens=MAX_TOKENS, warm=False))
+    finally:
+        eng.close()
