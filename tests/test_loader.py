@@ -44,6 +44,35 @@ def test_a_path_object_is_a_folder_never_an_alias_or_hub_id(copy_of_tiny, monkey
         resolve(Path("Qwen/Qwen3.5-0.8B"))  # not a Hub download
 
 
+def test_an_embedded_model_is_built_under_a_lock(tmp_path, monkeypatch):
+    # Processes starting together on a fresh CHATML_HOME (chat beside serve, a pipeline's
+    # ranks) each built the model into the same `.building` folder, deleting each other's.
+    import fcntl
+
+    import engine.checkpoints.builder as builder
+    from engine.checkpoints import registry
+    from engine.checkpoints.loader import embedded_path, resolve
+
+    monkeypatch.setenv("CHATML_HOME", str(tmp_path))
+    path = embedded_path(registry.get("tiny"))
+    builds = []
+
+    def build(entry, out, **kwargs):  # a stand-in: is another process locked out? then done
+        with open(path.with_name(path.name + ".lock"), "a") as other:
+            try:
+                fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                builds.append("unlocked")
+            except BlockingIOError:
+                builds.append("locked")
+        (out / "config.json").parent.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        return out
+
+    monkeypatch.setattr(builder, "build", build)
+    assert resolve("tiny")[0] == resolve("tiny")[0] == path
+    assert builds == ["locked"]
+
+
 def test_unknown_name():
     with pytest.raises(CheckpointError, match="neither a registry alias"):
         engine.load("no-such-model")

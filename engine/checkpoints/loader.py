@@ -44,6 +44,21 @@ def embedded_path(entry: ModelEntry) -> Path:
     return chatml_home() / "models" / name
 
 
+def _build_once(entry: ModelEntry, path: Path) -> None:
+    """Build an embedded model at `path` unless another process has: processes starting at
+    once on a fresh CHATML_HOME (chat beside serve, a pipeline's ranks) take turns on a lock,
+    so none deletes the `.building` folder another is writing."""
+    import fcntl
+
+    from .builder import build
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file is closed
+        if not (path / "config.json").exists():  # the one before us may have built it
+            build(entry, path)
+
+
 def resolve(model: str | os.PathLike) -> tuple[Path, ModelEntry | None]:
     """Map an alias, a folder or a Hub id to a local folder (building embedded models).
     A path object (`os.PathLike`) is always a folder: `Path("tiny")` is not the alias."""
@@ -59,9 +74,7 @@ def resolve(model: str | os.PathLike) -> tuple[Path, ModelEntry | None]:
         if entry.embedded:
             path = embedded_path(entry)
             if not (path / "config.json").exists():
-                from .builder import build
-
-                build(entry, path)
+                _build_once(entry, path)
             return path, entry
         name = entry.hub
     path = Path(name).expanduser()
