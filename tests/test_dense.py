@@ -208,7 +208,10 @@ def test_model_rows_match_the_model_without_the_kernel(tiny, monkeypatch):
     ids = [row + [220] * (4 - len(row)) for row in ids]
     got, want = batch_logits(tiny.model, ids), batch_logits(plain.model, ids)
     scale = max(1.0, mx.abs(want).max().item())
-    assert mx.abs(got - want).max().item() <= 1e-5 * scale
+    # float32 in another order: MLX alone, batched rows against rows one at a time, differ by
+    # up to 7e-6 here (OpenBLAS), and the native path by 1.2e-5 on an AMD EPYC: the bound is
+    # the cache contract's float32 1e-4 (DESIGN.md), with the same greedy tokens.
+    assert mx.abs(got - want).max().item() <= 1e-4 * scale
     assert (mx.argmax(got, -1) == mx.argmax(want, -1)).all().item()
 
 
