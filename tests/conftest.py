@@ -59,6 +59,23 @@ def native_kernels():
         native.module()
 
 
+@pytest.fixture
+def first_logits(monkeypatch):
+    """Record the logits each turn's prefill returns (the ones that start the answer)."""
+    import engine.runtime.sequence as sequence_module
+
+    seen = []
+    real = sequence_module.prefill_steps
+
+    def recording(*args, **kwargs):
+        logits, pos = yield from real(*args, **kwargs)
+        seen.append(logits)
+        return logits, pos
+
+    monkeypatch.setattr(sequence_module, "prefill_steps", recording)
+    return seen
+
+
 @pytest.fixture(scope="module")
 def mod():
     """The native kernels' module, loaded afresh for the test module (a test before may have

@@ -15,7 +15,6 @@ import pytest
 from helpers import QUESTIONS, fresh_greedy, mlx_lm_load
 
 import engine
-import engine.runtime.sequence as sequence_module
 from engine.runtime.sampling import Sampler, SamplingParams
 
 MAX_TOKENS = 5
@@ -37,21 +36,6 @@ def mlx_lm_greedy(model_and_tok, ids, max_tokens=MAX_TOKENS):
         if r.finish_reason != "stop":
             out.append(r.token)
     return out
-
-
-@pytest.fixture
-def first_logits(monkeypatch):
-    """Record the logits each turn's prefill returns (the ones that start the answer)."""
-    seen = []
-    real = sequence_module.prefill_steps
-
-    def recording(*args, **kwargs):
-        logits, pos = yield from real(*args, **kwargs)
-        seen.append(logits)
-        return logits, pos
-
-    monkeypatch.setattr(sequence_module, "prefill_steps", recording)
-    return seen
 
 
 def check_turn(eng, turn, logits, mlx_lm_model=None, max_tokens=MAX_TOKENS):

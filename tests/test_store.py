@@ -12,6 +12,7 @@ import sys
 import textwrap
 from types import SimpleNamespace
 
+import mlx.core as mx
 import pytest
 from helpers import RESULT, TOOLS, fresh_greedy
 
@@ -63,12 +64,16 @@ def _clone(store, saved, sid: str):
     return store.path(sid)
 
 
-def test_resume_reuses_the_whole_history_and_answers_exactly(tiny, store, saved):
+def test_resume_reuses_the_whole_history_and_answers_exactly(tiny, store, saved, first_logits):
     _clone(store, saved, "r1")
     with store.open("r1", tiny) as s:  # system, window, thinking come back from the log
         assert s.state_loaded and s.resumed_turns == 3 and s.session.system == SYSTEM
         turn = s.session.send(QUESTIONS[3], max_tokens=MAX)
     ref = saved.turn4
+    # The state read back from disk + the new exchange = a fresh full prefill of the prompt.
+    expected, ref_logits = fresh_greedy(tiny, turn.prompt_ids, MAX)
+    assert turn.token_ids == expected
+    assert mx.abs(first_logits[0] - ref_logits).max().item() < 1e-4
     kept = json.loads(read_header((saved.dir / STATE).read_bytes())["snapshots"])
     assert len(kept) <= 1 + SNAPSHOTS_KEPT  # the file does not grow with every turn
     assert turn.token_ids == ref.token_ids and turn.text == ref.text
