@@ -214,6 +214,12 @@ def test_leading_dims_and_bad_input(mod):
         mod.quantized_gemv(x, w, s, b, 64, 3)
     with pytest.raises(ValueError, match="float32"):
         mod.quantized_gemv(x.astype(mx.bfloat16), w, s, b, 64, 4)
+    # rows of length 0 (K = 0): x.size() / K divided by zero, SIGFPE killed the process
+    empty = mx.zeros((4, 0), dtype=mx.uint32), mx.zeros((4, 0)), mx.zeros((4, 0))
+    with pytest.raises(ValueError, match="empty rows"):
+        mod.quantized_gemv(mx.zeros((1, 0)), *empty, 64, 4)
+    with pytest.raises(ValueError, match="empty rows"):
+        mod.dequantize(*empty, 64, 4)
 
 
 @pytest.mark.parametrize("rows", [1, 9, native.GEMV_ROWS, native.GEMV_ROWS + 1])

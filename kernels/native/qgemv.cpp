@@ -998,6 +998,7 @@ static int check_weights(const array& w, const array& scales, const array& biase
         "group_size must be 32, 64 or 128, got " + std::to_string(group_size));
   check(w.dtype() == uint32 && w.ndim() == 2, "w must be a 2-D uint32 array");
   const int N = w.shape(0), K = w.shape(1) * 32 / bits;
+  check(K > 0, "w must not have empty rows");  // x.size() / K counts the rows of x
   check(K % group_size == 0, "the row length must be a multiple of group_size");
   Shape groups{N, K / group_size};
   check(scales.shape() == groups && biases.shape() == groups,
