@@ -349,6 +349,7 @@ def dense_matmul(x, w):
         and w.ndim == 2
         and x.ndim >= 1
         and x.shape[-1] == w.shape[1] > 0
+        and w.shape[0] > 0  # the kernel takes no empty w; x @ w.T is [..., 0]
         and (mod := module()) is not None
     ):
         lo, hi = _dense_rows(_info.isa)  # loaded by module() just above; no second lock

@@ -159,6 +159,14 @@ def test_dense_matmul_takes_the_kernel_for_its_rows(mod, monkeypatch):
     assert calls == [(2, native.LONG_K), (cap, native.LONG_K)]
 
 
+def test_dense_matmul_of_a_weight_without_rows_is_empty(mod):
+    """w [0, K] (no outputs) is a valid product, [..., 0], as x @ w.T gives: the kernel,
+    which refuses an empty w, is not asked (it raised ValueError from dense_matmul)."""
+    x = mx.random.normal((2, 3, 16))
+    y = native.dense_matmul(x, mx.zeros((0, 16)))
+    assert y.shape == (2, 3, 0) and y.dtype == mx.float32
+
+
 def test_two_threads_at_once(mod):
     """Two threads (each its own MLX stream) share the kernel's thread pool correctly."""
     w = np.array(mx.random.normal((2048, 512), key=mx.random.key(7)))  # big enough for the pool
