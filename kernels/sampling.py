@@ -41,7 +41,7 @@ def sample_rows(rows: list[mx.array], u: mx.array, *, temperature: float, top_k:
                 top_p: float = 1.0, min_p: float = 0.0) -> mx.array | None:  # fmt: skip
     """`sample` over rows given as arrays `[V]` of their own (a batched step's: no copy into
     one `[n, V]` array), at `u` `[n]`; None off the native path."""
-    if (mod := _module(rows[0])) is None:
+    if (mod := _module(rows[0])) is None or any(r.dtype != mx.float32 for r in rows[1:]):
         return None
     return mod.sample_rows(rows, u, temperature, top_k, top_p, min_p)
 

@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import kernels.sampling
 from engine.runtime.generate import prefill
 from engine.runtime.sampling import (
     RepetitionPenalty,
@@ -291,6 +292,9 @@ def test_native_pick_edges(mod):
         mod.sample_rows([rows[0], rows[1, :100]], us[:2], 0.8)
     with pytest.raises(ValueError, match="temperature"):
         mod.sample(rows, us, 0.0)
+    # A row of another dtype anywhere: MLX's ops (None), not the native pass's ValueError.
+    mixed = [rows[0], rows[1].astype(mx.bfloat16)]
+    assert kernels.sampling.sample_rows(mixed, us[:2], temperature=0.8) is None
 
 
 def test_seeded_picks_follow_the_distribution(mod):
