@@ -367,13 +367,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options for the benchmark")
     b.set_defaults(func=_bench)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (README: Server)")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (README: Server)",
+                       formatter_class=DefaultsFormatter)  # fmt: skip
     s.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"registry alias, checkpoint folder or Hub id (default: {DEFAULT_MODEL})")  # fmt: skip
     s.add_argument("--quantize", type=int, choices=[8, 4], default=None,
                    help="quantize a float checkpoint at load (bits; group 64)")  # fmt: skip
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    s.add_argument("--port", type=number(0, 65535), default=8080)
+    s.add_argument("--port", type=number(0, 65535), default=8080,
+                   help="TCP port (0: a free one, shown in the banner)")  # fmt: skip
     key = s.add_mutually_exclusive_group()
     key.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' (visible in ps: prefer the file "

@@ -392,6 +392,14 @@ def test_version_and_help_show_defaults():
         assert re.search(rf"{option} \S+ .*?\(default: [^)]*{default}", help_text), option
 
 
+def test_serve_help_shows_defaults():
+    """`chatml serve --help` named no default for --port, --max-tokens or --num-draft."""
+    help_text = " ".join(chatml("serve", "--help").stdout.split())
+    for option, default in (("--port", "8080"), ("--max-tokens", "512"), ("--num-draft", "4"),
+                            ("--max-batch", "8"), ("--pass-tokens", "256")):  # fmt: skip
+        assert re.search(rf"{option} \S+ .*?default:? {default}\)", help_text), option
+
+
 def test_bench_help_lists_every_benchmark():
     from pathlib import Path
 
