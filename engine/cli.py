@@ -1,4 +1,4 @@
-"""The `chatml` command: chat, sessions, models, doctor, bench, serve."""
+"""The `chatml` command: chat, sessions, models, build-kernels, doctor, bench, serve."""
 
 from __future__ import annotations
 
