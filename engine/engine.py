@@ -324,9 +324,10 @@ def load(
     `speculative="lookup"` drafts up to `num_draft` tokens by prompt lookup and verifies them
     in one step; `"mtp"` drafts them with the checkpoint's MTP head (its `mtp.*` weights,
     which quantized mlx-community conversions drop: `CheckpointError` then). Greedy output is
-    unchanged, penalties apply as in plain decoding; samplers with a grammar or logprobs
-    decode plainly. `"draft:NAME"` drafts with another model (a registry name, folder or Hub
-    id with the same tokenizer, loaded in the same dtype), greedily from its own caches.
+    unchanged; penalties, a thinking budget, grammars and logprobs apply as in plain
+    decoding (`runtime.speculative`). `"draft:NAME"` drafts with another model (a registry
+    name, folder or Hub id with the same tokenizer, loaded in the same dtype), greedily from
+    its own caches.
     `max_batch`: how many concurrent generations (sessions, `Engine.chat` calls from several
     threads, server requests) decode together in one forward pass per step; `pass_tokens`:
     the most tokens one pass runs, so a prompt being prefilled stalls the rows decoding beside
