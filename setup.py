@@ -5,7 +5,8 @@
 base dependency, so the base names a backend only where that cannot clash:
 - no NVIDIA driver: `mlx[cpu]`, so a plain `pip install -e .` works on a CPU-only machine;
 - an NVIDIA driver: none; pick one with an extra, `.[cuda]` (= cuda12), `.[cuda13]` or `.[cpu]`
-  (`chatml doctor` and `import engine` say so if none is installed).
+  (`import engine`, so every `chatml` command, says so if none is installed; `chatml doctor`
+  names the installed ones and warns about two).
 CHATML_MLX_BACKEND=cpu|cuda12|cuda13|none overrides the detection (e.g. building on one
 machine for another). macOS always gets `mlx` (Metal).
 """

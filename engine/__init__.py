@@ -29,6 +29,18 @@ from kernels import heap as _heap  # noqa: E402
 _blas.enable()  # must run before MLX loads: MLX resolves cblas_sgemm at load time
 _heap.enable()  # before the weights and the first step: freed step buffers stay mapped
 
+# On Linux the `mlx` wheel holds no libmlx.so: the backend packages (mlx-cpu, mlx-cuda-12/13)
+# ship it, and setup.py adds none where an NVIDIA driver is present. Name the way out.
+try:
+    import mlx.core  # noqa: E402, F401
+except ImportError as _e:
+    if "libmlx" not in str(_e):
+        raise
+    raise ImportError(
+        f"MLX has no backend installed ({_e}): install exactly one, with "
+        'pip install -e ".[cpu]" (or ".[cuda]" for CUDA 12, ".[cuda13]") in this checkout'
+    ) from None
+
 from .engine import Engine, load  # noqa: E402
 from .session import TurnConflict  # noqa: E402
 from .stateless import ChatError  # noqa: E402

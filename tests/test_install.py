@@ -73,6 +73,25 @@ def test_a_foreign_kernels_package_found_first_is_named(tmp_path):
     assert "pip uninstall kernels" in r.stderr
 
 
+def test_mlx_without_a_backend_is_named_with_the_extras(tmp_path):
+    """`mlx` installed without mlx-cpu or mlx-cuda (a plain `pip install -e .` where an NVIDIA
+    driver is present) failed `import engine`, and so every `chatml` command, with a bare
+    "libmlx.so: cannot open shared object file"; the error now names the extras to install."""
+    import subprocess
+    import sys
+
+    (tmp_path / "mlx").mkdir()
+    (tmp_path / "mlx" / "__init__.py").write_text("")
+    (tmp_path / "mlx" / "core.py").write_text(  # what mlx's core module raises without libmlx.so
+        'raise ImportError("libmlx.so: cannot open shared object file: No such file or directory")\n'
+    )
+    r = subprocess.run([sys.executable, "-c", "import engine"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: MLX has no backend") and '.[cpu]"' in last, last
+
+
 def test_transformers_stays_below_the_release_that_brings_another_kernels():
     spec = importlib.util.spec_from_file_location("chatml_setup", SETUP)
     module = importlib.util.module_from_spec(spec)
