@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 from .args import (
@@ -259,7 +260,8 @@ def _doctor(args) -> int:
 
 def benchmarks() -> dict[str, str]:
     """The `bench/` modules that run on their own (a top-level `main`), with their docstring's
-    first line: read from the source, so `--help` imports no benchmark (nor MLX)."""
+    first paragraph on one line: read from the source, so `--help` imports no benchmark (nor
+    MLX)."""
     import ast
     import importlib.util
 
@@ -272,7 +274,8 @@ def benchmarks() -> dict[str, str]:
             except (OSError, SyntaxError, ValueError):
                 continue
             if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
-                out.setdefault(path.stem, (ast.get_docstring(tree) or "").split("\n")[0])
+                first = (ast.get_docstring(tree) or "").split("\n\n")[0]
+                out.setdefault(path.stem, " ".join(first.split()))
     return out
 
 
@@ -359,7 +362,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     known = benchmarks()
     width = max(map(len, known), default=0) + 2
-    listed = "\n".join(f"  {name:<{width}}{what}" for name, what in known.items())
+    indent = " " * (width + 2)  # a summary longer than a line goes on under itself
+    listed = "\n".join(
+        textwrap.fill(
+            what,
+            120,
+            initial_indent=f"  {name:<{width}}",
+            subsequent_indent=indent,
+            break_on_hyphens=False,
+        )
+        for name, what in known.items()
+    )
     b = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=f"benchmarks (chatml bench NAME --help for each one's options):\n{listed}")  # fmt: skip

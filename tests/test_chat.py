@@ -413,6 +413,23 @@ def test_bench_help_lists_every_benchmark():
     assert unknown.returncode == 2 and "known: " in unknown.stderr and "prefill" in unknown.stderr
 
 
+def test_bench_help_gives_each_benchmark_a_whole_summary():
+    """The list showed each docstring's first line only: "grammar ... (and where the",
+    "stall ... `python -m bench.stall [--model tiny". It shows the first paragraph."""
+    out = chatml("bench", "--help").stdout.split("benchmarks (chatml bench NAME")[1]
+    summaries: dict[str, str] = {}
+    for line in out.splitlines()[1:]:
+        if m := re.match(r"^  (\w+)  +(.*)", line):
+            name = m.group(1)
+            summaries[name] = m.group(2)
+        elif line.strip():
+            summaries[name] += " " + line.strip()
+    assert {"grammar", "kernels", "stall"} <= set(summaries)
+    for name, text in summaries.items():
+        assert text.endswith(".") and text.count("[") == text.count("]"), (name, text)
+    assert "--pass-tokens 128,256,512]" in summaries["stall"]
+
+
 def test_a_bench_that_returns_its_results_exits_0_and_one_that_fails_exits_1(monkeypatch):
     """`chatml bench render` returns its results as a dict (sys.exit printed that dict to
     stderr and exited 1); a bench's own int status still passes through."""
