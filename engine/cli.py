@@ -421,8 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a tenth of the free space)")  # fmt: skip
     s.add_argument("--no-disk-cache", action="store_true", help="keep the prefix cache in RAM only")
     s.add_argument("--warm-prompts", default=None, metavar="FILE",
-                   help="JSON list of message arrays to prefill at start-up (system prompts, "
-                        "tool sets)")  # fmt: skip
+                   help="JSON list of message arrays (or of {\"messages\", \"tools\"} objects) to "
+                        "prefill at start-up (system prompts, tool sets)")  # fmt: skip
     s.add_argument("--no-warm", action="store_true",
                    help="no idle-time warm-up (by default, after each answer the server prefills "
                         "that conversation's next prompt while it waits)")  # fmt: skip

@@ -389,6 +389,33 @@ def test_warm_prompts_are_prefilled_at_start(tiny):
     assert r.usage.prompt_tokens_details.cached_tokens >= system_end > 0
 
 
+def test_warm_prompts_carry_a_tool_set(tiny, tmp_path):
+    """--warm-prompts said it warms "system prompts, tool sets" but took message arrays only,
+    and a tool set renders into the system block: requests with tools reused nothing of it. An
+    entry may be an object with `messages` and `tools`, checked and prefilled as that request."""
+    from engine.serving.server import load_warm_prompts
+
+    tools = [{"type": "function", "function": {
+        "name": "lookup", "description": "Look a word up in the dictionary.",
+        "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}]  # fmt: skip
+    path = tmp_path / "warm.json"
+    path.write_text(json.dumps([{"messages": conversation(9), "tools": tools}]))
+    warm = load_warm_prompts(str(path), tiny)
+    config = ServerConfig(port=0, context_window=4096, warm=False, warm_prompts=warm)
+    tiny.stateless.pool.sequences.clear()
+    messages = [SYSTEM, {"role": "user", "content": "Another question entirely."}]
+    with BackgroundServer(tiny, config) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=2,
+                                      temperature=0, presence_penalty=0)  # fmt: skip
+    system_end = prompt_of(tiny, messages, tools=tools).boundaries.system_end
+    assert system_end > prompt_of(tiny, messages).boundaries.system_end  # the tools are in it
+    assert r.usage.prompt_tokens_details.cached_tokens >= system_end
+    path.write_text(json.dumps([{"messages": conversation(9), "tools": "lookup"}]))
+    with pytest.raises(ValueError, match=r"\[0\]: .*\(tools"):
+        load_warm_prompts(str(path), tiny)
+
+
 def test_warm_prompts_file_is_checked_and_flags_parse(tiny, tmp_path):
     from engine.cli import build_parser
     from engine.serving.server import load_warm_prompts

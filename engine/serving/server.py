@@ -340,7 +340,7 @@ class ServerApp:
         so a request sharing its system prompt or tools reuses it), then to disk if enabled."""
         chat = self.worker
         for i, conversation in enumerate(self.config.warm_prompts):
-            prepared = chat.prepare(parse_request({"messages": conversation}), window=self.window,
+            prepared = chat.prepare(parse_request(warm_request(conversation)), window=self.window,
                                     openai=True, renderer=self.renderer)  # fmt: skip
             prompt = prepared.prompt
 
@@ -952,19 +952,34 @@ def _stop_signals(server: uvicorn.Server, stopped_by: list[int]):
             signal.signal(sig, handler)
 
 
+def warm_request(entry: list | dict) -> dict:
+    """A --warm-prompts entry as a request body: a message array, or an object with
+    `messages` and `tools` (a tool set renders into the system block, so requests with those
+    tools reuse its prefill)."""
+    return {"messages": entry} if isinstance(entry, list) else dict(entry)
+
+
+def _warm_entry(entry) -> bool:
+    if isinstance(entry, dict):
+        return set(entry) <= {"messages", "tools"} and isinstance(entry.get("messages"), list)
+    return isinstance(entry, list) and bool(entry)
+
+
 def load_warm_prompts(path: str, engine) -> list:
-    """--warm-prompts FILE: a JSON list of message arrays, each checked and rendered as a
-    request's would be; ValueError naming the array and the field otherwise."""
+    """--warm-prompts FILE: a JSON list of message arrays (or of objects with `messages` and
+    `tools`), each checked and rendered as a request's would be; ValueError naming the entry
+    and the field otherwise."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"--warm-prompts {path}: {e}") from None
-    if not isinstance(data, list) or not all(isinstance(m, list) and m for m in data):
-        raise ValueError(f"--warm-prompts {path}: expected a JSON list of message arrays")
+    if not isinstance(data, list) or not all(map(_warm_entry, data)):
+        raise ValueError(f"--warm-prompts {path}: expected a JSON list of message arrays (or "
+                         'of {"messages": [...], "tools": [...]} objects)')  # fmt: skip
     for i, prompt in enumerate(data):
         try:
-            Renderer(engine).render(parse_request({"messages": prompt}))
+            Renderer(engine).render(parse_request(warm_request(prompt)))
         except ApiError as e:
             raise ValueError(f"--warm-prompts {path}: [{i}]: {e.message} ({e.param})") from None
     return data
