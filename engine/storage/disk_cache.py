@@ -97,7 +97,8 @@ class FolderLock:
             f.close()
             raise DiskCacheBusy(
                 f"the disk cache {self.dir} is in use by another process; give this one another "
-                "--cache-dir or --no-disk-cache"
+                "folder (--cache-dir; cache_dir= in Python) or none (--no-disk-cache; "
+                "cache_dir=None)"
             ) from None
         self._file = f
 
