@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 MLX = "0.32.4"
 BACKENDS = ("cpu", "cuda12", "cuda13", "none")
@@ -61,10 +62,23 @@ def mlx_requirements(choice: str | None, nvidia_driver: bool) -> list[str]:
     return reqs
 
 
+class BuildWithRegistry(build_py):
+    """A wheel carries the repository's models.yaml inside `engine/checkpoints/`, where the
+    registry reads it when no checkout lies around the package (a non-editable install)."""
+
+    def run(self):
+        super().run()
+        if not self.editable_mode:
+            self.copy_file("models.yaml", os.path.join(self.build_lib, "engine", "checkpoints"))
+
+
 def _nvidia_driver() -> bool:
     return os.path.exists("/proc/driver/nvidia/version")
 
 
 if __name__ == "__main__":
     backend = os.environ.get("CHATML_MLX_BACKEND") or None
-    setup(install_requires=mlx_requirements(backend, _nvidia_driver()) + DEPENDENCIES)
+    setup(
+        install_requires=mlx_requirements(backend, _nvidia_driver()) + DEPENDENCIES,
+        cmdclass={"build_py": BuildWithRegistry},
+    )

@@ -1,6 +1,8 @@
 """Which MLX backend `pip install -e .` asks for (setup.py): never two on one machine."""
 
 import importlib.util
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -98,3 +100,41 @@ def test_transformers_stays_below_the_release_that_brings_another_kernels():
     spec.loader.exec_module(module)
     (req,) = [d for d in module.DEPENDENCIES if d.startswith("transformers")]
     assert req == "transformers>=5.0,<5.25"
+
+
+def test_a_wheel_carries_the_registry_and_the_native_sources(tmp_path):
+    """A non-editable install (`pip install .`, a wheel) could load no model: the registry was
+    read from the checkout's models.yaml, which no wheel carries, and the native kernels'
+    headers were left out, so their build failed. Built here from a copy of the tracked files,
+    installed into a folder, and imported away from the checkout."""
+    import subprocess
+    import sys
+
+    root = SETUP.parent
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True,
+                           check=True).stdout.split()  # fmt: skip
+    src = tmp_path / "src"
+    for name in files:
+        if name.split("/")[0] in ("engine", "kernels", "renderer", "bench") or "/" not in name:
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            (src / name).write_bytes((root / name).read_bytes())
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "wheel",
+                    src], check=True, capture_output=True, timeout=300)  # fmt: skip
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    site = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", site, wheel], check=True,
+                   capture_output=True, timeout=300)  # fmt: skip
+    probe = (
+        "import engine, json\n"
+        "from engine.checkpoints import registry\n"
+        "print(json.dumps([engine.__file__, str(registry.REGISTRY_PATH), "
+        "registry.DEFAULT_MODEL in registry.registry()]))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(site)})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    module, registry_path, has_default = json.loads(r.stdout.splitlines()[-1])
+    assert module.startswith(str(site)) and registry_path.startswith(str(site)) and has_default
+    native = {n.removeprefix("kernels/native/") for n in files if n.startswith("kernels/native/")}
+    assert native == {f.name for f in (site / "kernels" / "native").iterdir()}  # headers too

@@ -17,7 +17,11 @@ from typing import Any
 
 import yaml
 
+# The repository's models.yaml (a checkout, an editable install); a wheel carries a copy beside
+# this file (setup.py's build_py).
 REGISTRY_PATH = Path(__file__).resolve().parents[2] / "models.yaml"
+if not REGISTRY_PATH.is_file():
+    REGISTRY_PATH = Path(__file__).resolve().with_name("models.yaml")
 TEMPLATE_VARIANTS = ("qwen3.5-small", "qwen3.5", "qwen3.6")
 # The embedded model a bare `engine.load()`, `chatml chat` and `chatml serve` run: trained here
 # (train/) to remember what it is told; `tiny` (random weights) is the tests' model.
