@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("doctor", help="backend, BLAS, measured matmul speed, data folder",
                        formatter_class=DefaultsFormatter)  # fmt: skip
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--json", action="store_true", help="print the report as one JSON object")
     d.set_defaults(func=_doctor)
 
     known = benchmarks()
