@@ -490,3 +490,30 @@ def test_the_adaptive_policy_switching_drafting_off_and_on_keeps_the_output(tiny
     # 40 tokens of rounding (plain decoding itself drifts 6e-5 from a fresh prefill here):
     # the states within 1e-3, the logits they give within the 1e-4 rule
     _assert_holds(model, caches, PROMPT + out[:-1], out[-1], state_atol=1e-3)
+
+
+class Repeating:
+    """Drafts the last token k times: rarely right, but every step verifies."""
+
+    def propose(self, history, k):
+        return [history[-1]] * k
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_seeded_sampled_answer_is_the_same_with_drafting_as_without(spec_engine, adaptive):
+    """`seed` reproduces a sampled answer: the same tokens with drafting on or off, whatever
+    the drafter proposes and whichever steps the adaptive policy (timed, engine-wide) verifies.
+    Each position's token is drawn as plain decoding draws it (one key per token, in order);
+    a draft stands when it is that token."""
+    eng = spec_engine
+    options = {"max_tokens": 16, "temperature": 0.9, "seed": 7}
+    params = SamplingParams(temperature=0.9, seed=7)
+    eng.speculative = None
+    want = eng.session("You are terse.").send(QUESTIONS[0], **options).token_ids
+    for drafter in (lambda: Oracle(eng, 0.3, params), Repeating):
+        eng.speculative = Speculation(drafter, 3, adaptive=adaptive)
+        for _ in range(2):  # the second answer finds the policy's timings of the first
+            turn = eng.session("You are terse.").send(QUESTIONS[0], **options)
+            assert turn.token_ids == want
+        if drafter is not Repeating and not adaptive:
+            assert turn.stats.accepted_tokens > 0

@@ -269,6 +269,8 @@ class Sampler:
         self.processors = processors_for(params) if processors is None else processors
         self.key = mx.random.key(params.seed) if params.seed is not None else None
         self._last: mx.array | None = None  # the previous pick, not yet advanced
+        # A seeded verify step's keys: the key after each position's draw (`draws`, `stood`).
+        self._drawn: list[mx.array] = []
         # With `top_logprobs` (0 to 20) every pick's logprob is recorded:
         # `recorded` those of the tokens read (`accept`), `_pending` those still on the device.
         self.top_logprobs = top_logprobs
@@ -356,6 +358,9 @@ class Sampler:
                 p.advance(pick)
         if tokens:
             self._last = mx.array(tokens[-1], dtype=mx.uint32)
+        if self._drawn and tokens:  # a seeded verify drew every position: keep those used
+            self.key = self._drawn[len(tokens) - 1]
+        self._drawn = []
 
     def record(self, logits: mx.array, tokens: Sequence[int]) -> None:
         """Queue the logprobs of `tokens` a verify step emitted (with `top_logprobs`), token
@@ -398,6 +403,16 @@ class Sampler:
     def pick(self, logits: mx.array) -> mx.array:
         """The next token from processed logits `[V]` (see `pick_rows`)."""
         return _picks([logits], [self])[0]
+
+    def draws(self, processed: mx.array) -> mx.array:
+        """A seeded verify step's tokens `[k+1]`: row i of `processed` picked as plain decoding
+        picks it, with the next key of the chain. `stood` then keeps only the keys of the
+        tokens that stood, so the next draw takes the key plain decoding would."""
+        picks, self._drawn = [], []
+        for i in range(processed.shape[0]):
+            picks.append(self.pick(processed[i]))
+            self._drawn.append(self.key)
+        return mx.stack(picks)
 
     def residual(self, processed: mx.array, drafts: Sequence[int], key: mx.array | None
                  ) -> tuple[mx.array, mx.array]:  # fmt: skip

@@ -213,13 +213,20 @@ def verify(sampler: Sampler, logits: mx.array, drafts: Sequence[int],
     (`fallback[k]`: the token after all k). Greedy: the argmax. Sampling, for a deterministic
     drafter: draft d stands with probability p(d), else the token is drawn from p with d
     removed and renormalised; the emitted tokens then follow the target's distribution
-    exactly (Leviathan et al. 2023; Chen et al. 2023).
+    exactly (Leviathan et al. 2023; Chen et al. 2023). A seeded sampler draws each position's
+    token as plain decoding would, with the next key of its chain (a draft stands when it is
+    that token: again with probability p(d)), and `Sampler.stood` keeps the keys of the
+    tokens that stood: a seed gives the same answer with drafting as without, whichever
+    steps verify.
     """
     k = len(drafts)
     processed = sampler.process_drafts(logits, drafts, history)  # [k+1, V] float32
     if sampler.p.temperature == 0:
         fallback = mx.argmax(processed, axis=-1)
         fallback = fallback.tolist()
+        return [fallback[i] == drafts[i] for i in range(k)], fallback
+    if sampler.key is not None:  # seeded: each position drawn as plain decoding draws it
+        fallback = sampler.draws(processed).tolist()
         return [fallback[i] == drafts[i] for i in range(k)], fallback
     key_u, key_c = sampler.subkey(), sampler.subkey()
     p_draft, fallback = sampler.residual(processed, drafts, key_c)
