@@ -107,3 +107,18 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny, tmp_path, capsys)
     with pytest.raises(SystemExit):
         main(["chat", "--speculative", "draft:", "-p", "hi"])
     assert "expected lookup, mtp or draft:NAME" in capsys.readouterr().err
+
+
+def test_the_cli_says_a_draft_model_with_another_tokenizer_is_refused(tiny, tmp_path, capsys):
+    """`chatml chat --speculative draft:NAME` with a draft model that cannot draft for the
+    target: one line naming the problem and exit status 1, as for a bad model name, not a
+    traceback."""
+    folder = tmp_path / "other-tokenizer"
+    shutil.copytree(tiny.path, folder)
+    with open(folder / "tokenizer.json", "a") as f:
+        f.write(" ")
+    from engine.cli import main
+
+    assert main(["chat", "--model", "tiny", "--speculative", f"draft:{folder}", "-p", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "chatml chat: speculative='draft:" in err and "tokenizer differs" in err

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from ..checkpoints.loader import CheckpointError
 from .generate import eval_caches, prefill
 from .sequence import CachedSequence, common_prefix
 from .step import Mark, Row, forward, rollback
@@ -44,7 +45,7 @@ class DraftModel:
         ours, theirs = target.path / "tokenizer.json", draft.path / "tokenizer.json"
         if (target.entry.arch.vocab_size != draft.entry.arch.vocab_size
                 or ours.read_bytes() != theirs.read_bytes()):  # fmt: skip
-            raise ValueError(
+            raise CheckpointError(  # a ValueError the CLI reports as a bad model
                 f"speculative='draft:{self.name}': the draft model's tokenizer differs from "
                 f"{target.path.name}'s; a draft model must share the target's token ids"
             )
