@@ -275,3 +275,28 @@ def test_server_forced_call_round_trips_a_string_holding_the_markup(server):
              tools=_note_tool(text), tool_choice="required", max_tokens=80)  # fmt: skip
     (call,) = r.choices[0].message.tool_calls
     assert json.loads(call.function.arguments) == {"text": text, "n": 3}
+
+
+def test_a_forced_call_of_a_tool_whose_parameters_use_defs_is_valid(tiny):
+    """Parameters as pydantic writes them for a nested model: the property is a `$ref` into
+    the parameters' `$defs`. Each parameter's grammar is compiled alone, and still resolves
+    the reference (it was a GrammarError: "Pointer '/$defs/Unit' does not exist")."""
+
+    class Unit(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        name: str = pydantic.Field(pattern="^[cf]$")
+
+    class Args(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        days: int = pydantic.Field(ge=1, le=7)
+        unit: Unit
+
+    params = Args.model_json_schema()
+    assert "$defs" in params and "$ref" in params["properties"]["unit"]
+    tools = [{"type": "function", "function": {"name": "forecast", "parameters": params}}]
+    for seed in range(2):
+        turn = tiny.chat([{"role": "user", "content": "Weather?"}], tools=tools,
+                         tool_choice="required", max_tokens=60, temperature=1.0, seed=seed,
+                         warm=False)  # fmt: skip
+        assert turn.tool_call_error is None and len(turn.tool_calls) == 1, turn
+        jsonschema.validate(turn.tool_calls[0].arguments, params)

@@ -225,10 +225,13 @@ def tool_call_spec(tools: list[dict], open_id: int, close_id: int) -> dict:
         params = fn.get("parameters") or {}
         props = params.get("properties") or {}
         required = set(params.get("required") or [])
+        # Each value's grammar is its property's schema alone: it carries the parameters'
+        # definitions, which its `$ref`s ("#/$defs/X", pydantic's nested models) point into.
+        defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
         parts = []
         for j, (key, schema) in enumerate(props.items()):
             if isinstance(schema, dict):
-                schema = {"x-guidance": {"whitespace_flexible": False}, **schema}
+                schema = {"x-guidance": {"whitespace_flexible": False}, **defs, **schema}
             rules.append(f"v{i}_{j}: %json {json.dumps(schema)}")
             head = json.dumps(f"<parameter={key}>\n")
             rules.append(f'p{i}_{j}: {head} v{i}_{j} "\\n</parameter>\\n"')
