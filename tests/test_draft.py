@@ -122,3 +122,24 @@ def test_the_cli_says_a_draft_model_with_another_tokenizer_is_refused(tiny, tmp_
     assert main(["chat", "--model", "tiny", "--speculative", f"draft:{folder}", "-p", "hi"]) == 1
     err = capsys.readouterr().err
     assert "chatml chat: speculative='draft:" in err and "tokenizer differs" in err
+
+
+def test_two_answers_drafting_at_once_keep_a_draft_sequence_each():
+    """Two answers drafting at once (two conversations on the model thread, their steps
+    interleaved): each drafter keeps the draft sequence it took. They shared one (both prompts
+    start alike: the best match for each), so each proposal prefilled its own conversation
+    over the other's, from the last snapshot, at every step."""
+    eng = _engine("tiny")
+    draft = eng.speculative.drafter
+    histories = [eng.session("You are terse.").render([{"role": "user", "content": q}], 8).ids
+                 + [198] for q in QUESTIONS[:2]]  # fmt: skip
+    drafters = [draft(), draft()]
+    with draft.engine.lock:
+        for step in range(3):
+            for d, history in zip(drafters, histories):
+                history += [*d.propose(history, 3), 198]  # the drafts stand, and one more
+            if step == 0:
+                prefilled = draft.prefilled
+        assert draft.prefilled == prefilled  # after the first proposals: steps only
+        assert drafters[0].seq is not drafters[1].seq
+        _draft_caches_hold_their_tokens(draft)

@@ -14,6 +14,7 @@ that stood. The draft model runs on the target's model thread, inside its answer
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -36,6 +37,7 @@ class DraftModel:
         self.engine = None
         self.sequences: list[CachedSequence] = []
         self.prefilled = 0
+        self.drafters: weakref.WeakSet[DraftDrafter] = weakref.WeakSet()  # answers drafting
 
     def load(self, target) -> None:
         """Load the draft model for `target` (an Engine): same tokenizer, same compute dtype."""
@@ -55,13 +57,19 @@ class DraftModel:
         """A drafter for one answer (the `Speculation.drafter` factory)."""
         if self.engine is None:
             raise RuntimeError(f"draft model {self.name!r} is not loaded (engine.load does it)")
-        return DraftDrafter(self)
+        drafter = DraftDrafter(self)
+        self.drafters.add(drafter)  # until its answer lets go of it
+        return drafter
 
     def sequence_for(self, ids: Sequence[int]) -> CachedSequence:
         """The draft sequence that can restore most of `ids` (a new one while there is room,
-        else the least recently used)."""
-        best = max(self.sequences, key=lambda s: (s.reusable(ids, need_logits=False),
-                                                  s.last_used), default=None)  # fmt: skip
+        else the least recently used), among those no other answer drafts on: answers
+        decoding at once would prefill their own tokens over each other's at every step."""
+        held = {id(d.seq) for d in self.drafters if d.seq is not None}
+        free = [s for s in self.sequences if id(s) not in held]
+        pool = free if free or len(self.sequences) < SEQUENCES else self.sequences
+        best = max(pool, key=lambda s: (s.reusable(ids, need_logits=False),
+                                        s.last_used), default=None)  # fmt: skip
         if best is None or (best.reusable(ids, need_logits=False) == 0
                             and len(self.sequences) < SEQUENCES):  # fmt: skip
             best = CachedSequence(self.engine)
