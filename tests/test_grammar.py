@@ -117,6 +117,17 @@ def test_bad_constraints_are_named(tiny, spec):
         GrammarProcessor(tiny, spec)
 
 
+@pytest.mark.parametrize("regex", [r"[^\s\S]", r"a[^\s\S]b"])
+def test_a_constraint_no_answer_can_match_is_refused_before_the_turn(tiny, regex):
+    """A regex that matches nothing compiles, and its matcher allows only the stop token:
+    the turn answered '' (finish "stop"), an answer the constraint does not match. It is a
+    GrammarError at the call now, and the conversation is untouched."""
+    session = tiny.session()
+    with pytest.raises(GrammarError, match="no answer can match"):
+        session.send("Hi", max_tokens=4, response_format={"type": "regex", "regex": regex})
+    assert session.history == [] and session.tokens == []
+
+
 # ----- llguidance's view of the tokenizer: built once, shared, ready before it is needed --
 
 

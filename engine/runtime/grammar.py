@@ -286,6 +286,11 @@ class GrammarProcessor(LogitsProcessor):
             if not self.active:
                 self.active = t == self.start_after
                 continue
+            if t in self.stops and not self.matcher.is_accepting():
+                # The matcher allows only a stop once nothing can continue: a constraint that
+                # no answer can match (a regex of an empty class) would end the answer here.
+                raise GrammarError("no answer can match the constraint: the answer so far "
+                                   "cannot continue, and it does not match yet")  # fmt: skip
             if not self.matcher.consume_token(t):
                 raise GrammarError(f"token {t} breaks the grammar: {self.matcher.get_error()}")
 
