@@ -416,6 +416,8 @@ def validate_tools(tools: Any) -> list[dict]:
         name = function.get("name")
         if not isinstance(name, str) or not name.strip():
             raise bad("the function name must be a non-empty string", field + ".name")
+        if _unreadable_in_markup(name):
+            raise bad(f"the function name {name!r} {_MARKUP}", field + ".name")
         description = function.get("description")
         if description is not None and not isinstance(description, str):
             raise bad("the description must be a string", field + ".description")
@@ -425,4 +427,17 @@ def validate_tools(tools: Any) -> list[dict]:
                 f"parameters must be a JSON Schema object, got {type(parameters).__name__}",
                 field + ".parameters",
             )
+        properties = (parameters or {}).get("properties")
+        for key in properties if isinstance(properties, Mapping) else ():
+            if isinstance(key, str) and _unreadable_in_markup(key):
+                raise bad(f"the parameter name {key!r} {_MARKUP}", field + ".parameters.properties")
     return list(tools)
+
+
+# A call's markup is `<function=NAME>` and `<parameter=KEY>` (engine/turn.py reads it back):
+# a name holding '>' or a line break would end the tag early, so no call of it could be read.
+_MARKUP = "cannot contain '>' or a line break (Qwen3.5 writes calls as <function=NAME>)"
+
+
+def _unreadable_in_markup(name: str) -> bool:
+    return ">" in name or "\n" in name

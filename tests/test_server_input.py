@@ -378,6 +378,12 @@ def test_matching_tool_results_are_accepted(server):
          "tools[0].function.description"),
         (["f"], "tools[0]"),
         ({}, "tools"),
+        # Names the model could not write back in Qwen3.5's <function=NAME> markup
+        ([{"type": "function", "function": {"name": "f>g"}}], "tools[0].function.name"),
+        ([{"type": "function", "function": {"name": "f\ng"}}], "tools[0].function.name"),
+        ([{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a>b": {"type": "string"}}}}}],
+         "tools[0].function.parameters.properties"),
     ],
 )  # fmt: skip
 def test_bad_tool_definitions_are_a_400(server, tools, param):
