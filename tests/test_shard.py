@@ -189,6 +189,22 @@ def test_killed_rank_0_ends_the_follower_with_a_message(tiny, tmp_path):
     assert "chatml shard rank 1 of 2" in stderr and "a peer rank is gone" in stderr
 
 
+def test_ctrl_c_reaches_the_follower_too_and_it_serves_on(tiny, tmp_path):
+    # Under mlx.launch the ranks on this machine share the terminal's process group: Ctrl+C
+    # (which `chatml chat` takes as "interrupt this answer", and `chatml serve` as "write the
+    # pool and stop") reaches the followers too. A follower died of it (KeyboardInterrupt)
+    # and took the group with it; rank 0 alone decides when the followers exit.
+    procs = _launch(tmp_path, ["tiny", str(tmp_path / "x"), "--pause"])
+    _answering(procs)
+    procs[1].send_signal(signal.SIGINT)
+    procs[0].stdin.write("go on\n")
+    procs[0].stdin.flush()
+    results = _finish(procs)
+    for rank, (code, _, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{stderr[-3000:]}"
+    assert "FINISHED" in results[0][1]
+
+
 def test_hung_follower_ends_rank_0_after_the_timeout(tiny, tmp_path):
     # A stopped process keeps its sockets open: only the watchdog can tell.
     env = {0: {"CHATML_SHARD_TIMEOUT": "5"}}

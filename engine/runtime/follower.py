@@ -8,7 +8,9 @@ named: recurrent states under the handles its messages give, attention caches pe
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -205,7 +207,14 @@ class Follower:
 
 
 def follow(stage: Stage, link: Link) -> None:
-    """A follower rank's life: serve rank 0, then exit the process (0 when told to stop)."""
+    """A follower rank's life: serve rank 0, then exit the process (0 when told to stop).
+
+    Ctrl+C is rank 0's: under `mlx.launch` the ranks on one machine share the terminal's
+    process group, so the follower gets it too, where it would end the group in the middle of
+    what rank 0 does with it (interrupt one answer, write the pool before stopping). A
+    follower ignores it and exits when rank 0 says stop, or its link breaks."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         Follower(stage, link).serve()
     except ShardError as e:
