@@ -1,13 +1,13 @@
 """A scripted chat for the sharding tests (tests/test_shard.py), run in one process or by every
 rank of a launched group: `python tests/shard_chat.py MODEL OUT [--shard pipeline] [--pause]
-[--sequential] [--short] [--budget BYTES] [--save HOME | --resume HOME]`. Rank 0 writes
+[--sequential] [--short] [--budget BYTES] [--save HOME | --resume HOME | --forks]`. Rank 0 writes
 OUT.json (per turn: tokens, counts, logprobs) and OUT.npz (the logits of fresh prefills); the
 other ranks serve it and exit.
 
 `--pause` streams one long answer instead, printing ANSWERING after its first piece and
 waiting for a line on stdin before reading on (the tests kill or stop a rank there).
 `--save HOME` chats in a persisted session under HOME, with a disk tier in HOME/disk;
-`--resume HOME` resumes it there (see `persist`).
+`--resume HOME` resumes it there (see `persist`); `--forks` runs `forks`.
 """
 
 from __future__ import annotations
@@ -218,6 +218,35 @@ def persist(eng, home: Path, resume: bool) -> tuple[list[dict], list]:
     return rows, logits
 
 
+def forks(eng) -> tuple[list[dict], list]:
+    """Stateless requests from two conversations on one system prompt: the second branches
+    off the first one's pooled sequence, so the pool forks the shared prefix into another
+    slot (its KV rows copied); then the first conversation goes on in its own slot. Per
+    answer what it produced, the pool's forks, and the logits of a fresh prefill of each
+    prompt."""
+    import mlx.core as mx
+    import numpy as np
+
+    system = {"role": "system", "content": SYSTEM}
+    first = [system, {"role": "user", "content": QUESTIONS[0]}]
+    chats = [first, [system, {"role": "user", "content": QUESTIONS[2]}]]
+    answers = []
+    for messages in chats + [None]:
+        if messages is None:  # the first conversation's next turn
+            messages = [*first, answers[0].message(), {"role": "user", "content": QUESTIONS[3]}]
+        answers.append(eng.chat(messages, max_tokens=MAX_TOKENS))
+        assert eng.worker.idle.wait(60)  # its idle-time warm-up is done: no race
+
+    def fresh(ids):
+        logits = eng.model(mx.array([ids]), eng.model.make_caches())[0, -1]
+        return np.array(logits.astype(mx.float32))
+
+    rows = [{"tokens": t.token_ids, "reused": t.stats.reused_tokens,
+             "prefilled": t.stats.prefilled_tokens, "cache_bytes": t.stats.cache_bytes,
+             "forks": eng.stateless.pool.forks} for t in answers]  # fmt: skip
+    return rows, [eng.worker.call(fresh, t.prompt_ids) for t in answers]
+
+
 def pause(eng) -> None:
     s = eng.session("You are a helpful assistant.")
     for i, _ in enumerate(s.stream(QUESTIONS[2], max_tokens=4000)):
@@ -237,7 +266,9 @@ def main(argv: list[str]) -> None:
         return pause(eng)
     import numpy as np
 
-    if "--save" in argv or "--resume" in argv:
+    if "--forks" in argv:
+        rows, logits = forks(eng)
+    elif "--save" in argv or "--resume" in argv:
         home = Path(argv[argv.index("--save" if "--save" in argv else "--resume") + 1])
         rows, logits = persist(eng, home, resume="--resume" in argv)
     else:

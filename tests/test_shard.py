@@ -120,6 +120,17 @@ def test_two_ranks_mixture_of_experts(tiny_moe, tmp_path):
     _compare(ref, tmp_path, path, "--sequential", "--short")
 
 
+def test_a_request_branching_off_a_pooled_sequence_forks_it_on_every_rank(tiny, tmp_path):
+    # A second conversation on the same system prompt (the common case of a server) branches
+    # off the first one's pooled sequence: the pool copies the shared prefix's KV rows into
+    # another slot. Rank 0 read them from the remote layers' caches, which hold none there
+    # (TypeError: 'NoneType' object is not subscriptable): the request failed.
+    ref = shard_chat.forks(engine.load("tiny"))
+    assert ref[0][-1]["forks"] == 1 and ref[0][1]["reused"] > 0  # it did fork
+    assert ref[0][2]["reused"] > ref[0][0]["prefilled"]  # the first one kept its slot
+    _compare(ref, tmp_path, "tiny", "--forks")
+
+
 def test_saved_session_and_disk_tier_resume_in_a_new_launch(tiny, tmp_path):
     # Two ranks chat in a persisted session with a disk tier and exit; a new 2-rank launch
     # resumes both. Rank 0 gathers every layer into the state files: they equal one

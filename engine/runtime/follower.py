@@ -22,6 +22,7 @@ from .shard import (
     DTYPES,
     HANDLE,
     KEYS,
+    OP_COPY,
     OP_FETCH,
     OP_FORWARD,
     OP_STOP,
@@ -79,6 +80,8 @@ class Follower:
                 self._fetch(rest)
             elif op == OP_STORE:
                 self._store(rest)
+            elif op == OP_COPY:
+                self._copy(rest)
 
     def _check_held(self, named: int) -> None:
         """At the end, this rank holds exactly the states rank 0 still names (and its share
@@ -175,6 +178,27 @@ class Follower:
                 f"{self.link.who()}: layer {layer} holds {held} positions, rank 0 asks for {rows}"
             )
         return (c.keys if kind == KEYS else c.values)[:, :, :rows]
+
+    def _copy(self, p: list[int]) -> None:
+        """A pool fork on rank 0: cache set `dst`'s attention caches (of this rank's layers)
+        become copies of the first `rows` rows of cache set `src`'s, as `pool.fork` copies
+        them from a buffer (rows below a snapshot stay valid beyond a trimmed offset)."""
+        src, dst, rows = p[:3]
+        kinds, held = self.stage.arch.layer_types, self.kv.get(src, {})
+        copies, kept = self.kv.setdefault(dst, {}), []
+        for layer in self.mine:
+            if kinds[layer] != "full_attention":
+                continue
+            c, new = held.get(layer), KVCache()
+            if rows:
+                if c is None or c.keys is None or c.keys.shape[2] < rows:
+                    have = 0 if c is None or c.keys is None else c.keys.shape[2]
+                    raise ShardError(f"{self.link.who()}: layer {layer} holds {have} rows, "
+                                     f"rank 0 copies {rows}")  # fmt: skip
+                new.load_state(c.keys[:, :, :rows], c.values[:, :, :rows])
+                kept += [new.keys, new.values]
+            copies[layer] = new
+        mx.eval(kept)
 
     def _store(self, p: list[int]) -> None:
         """Take the arrays of rank 0's upload meant for this rank's layers (passing all of

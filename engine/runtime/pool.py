@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from .cache import KVCache, MTPCache
 from .generate import eval_caches
 from .sequence import CachedSequence, common_prefix
+from .shard import RemoteKVCache
 from .snapshot import tick
 
 # Conversations kept resumable. The byte budget is what bounds their memory (it evicts the
@@ -60,6 +61,8 @@ def fork(src: CachedSequence, pos: int, dst: CachedSequence) -> None:
         src.snapshots[pos].touch()  # used: recent for the budget's LRU
     dst.drop_cache()
     for d, s, layer in zip(dst.caches, src.caches, layers):
+        if isinstance(d, RemoteKVCache):  # a pipeline's follower rank holds the rows
+            continue
         if isinstance(d, KVCache):
             d.load_state(s.keys[:, :, :pos], s.values[:, :, :pos])
         elif isinstance(d, MTPCache):  # rows below pos - L, L hidden states (cache.MTPCache)
@@ -69,6 +72,8 @@ def fork(src: CachedSequence, pos: int, dst: CachedSequence) -> None:
             d.load_state(*(rows or (None, None)), ids, state, pos)
         else:
             d.restore(layer)
+    if any(isinstance(d, RemoteKVCache) for d in dst.caches):
+        src.engine.model.fork_kv(src.caches, dst.caches, pos)
     eval_caches(dst.caches)  # materialize the copies now, before `src` moves on
     dst.tokens = src.prefix(pos)
     dst.snapshots = {p: snap for p, snap in src.snapshots.items() if p <= pos}

@@ -57,9 +57,9 @@ from .cache import KV_STEP, KVCache, RecurrentCache
 from .model import DecoderLayer, LanguageHead, ModelOptions, RMSNorm
 
 MODES = ("pipeline",)
-PROTOCOL = 3  # 3: the ranks exchange their timeouts at `connect`
+PROTOCOL = 4  # 3: the ranks exchange their timeouts at `connect`; 4: OP_COPY
 MAGIC = 0x63686D6C  # "chml": the first word of every message header
-OP_FORWARD, OP_PING, OP_STOP, OP_FETCH, OP_STORE = 1, 2, 3, 4, 5
+OP_FORWARD, OP_PING, OP_STOP, OP_FETCH, OP_STORE, OP_COPY = 1, 2, 3, 4, 5, 6
 DTYPES = (mx.float32, mx.bfloat16, mx.float16)  # hidden states and cache states travel in these
 HANDLE, KEYS, VALUES = 0, 1, 2  # what a fetched or uploaded array is (`Wanted.kind`)
 ALIGN = 16  # bytes: each array of a packed buffer starts at a multiple of this
@@ -561,6 +561,22 @@ class PipelineModel(LanguageHead, nn.Module):
             with self._link.wait(f"sending {buf.nbytes} bytes of cache states to the followers"):
                 self._link.send_message(OP_STORE, next(self._seq), payload)
                 self._link.send_packed(meta, buf)
+
+    def fork_kv(self, src: list, dst: list, rows: int) -> None:
+        """`dst`'s remote attention caches take the first `rows` rows of `src`'s (a pool fork:
+        `pool.fork` copies the local ones): the followers copy them from one cache set to the
+        other, in their buffers, before any later step moves `src` on."""
+        pairs = [(s, d) for s, d in zip(src, dst) if isinstance(d, RemoteKVCache)]
+        if not pairs:
+            return
+        payload = _releases() + [pairs[0][0].owner.id, pairs[0][1].owner.id, rows]
+        with self._link.lock:
+            self._check()
+            with self._link.wait("asking the followers to copy attention caches"):
+                self._link.send_message(OP_COPY, next(self._seq), payload)
+        for _, d in pairs:
+            d.offset = d.capacity = 0
+            d.advance(rows)
 
     def ping(self) -> None:
         """An idle rank 0 tells the followers it lives (and what they may free)."""
