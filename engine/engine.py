@@ -338,7 +338,8 @@ def load(
     A sharded model steps its generations one row at a time (no batched decode pass yet).
     Its state files (persisted sessions, `cache_dir`) are written and read by rank 0 alone,
     with every layer gathered in: they are the files one process writes (only rank 0 needs
-    `cache_dir`, and the session store), and resume under any split or none.
+    `cache_dir`, and the session store: the other ranks ignore it), and resume under any
+    split or none.
     """
     if isinstance(model, str) and not model.strip():  # Path("") would be the current folder
         raise ValueError("model must be a registry alias, a checkpoint folder or a Hub id, got ''")
@@ -357,7 +358,10 @@ def load(
     if shard not in (None, "pipeline"):
         raise ValueError(f"shard must be 'pipeline' or None, got {shard!r}")
     folder = None
-    if cache_dir is not None:  # a folder another process holds fails now, not after the load
+    # A folder another process holds fails now, not after the load. A pipeline's follower
+    # ranks never use it (rank 0 alone reads and writes state files): a script started the
+    # same way on every rank passes it everywhere, and on one machine they would collide.
+    if cache_dir is not None and (not shard or _group_rank() == 0):
         from .storage.disk_cache import FolderLock
 
         folder = FolderLock(cache_dir)
@@ -373,6 +377,14 @@ def load(
         eng.attach_disk(cache_dir, disk_cache_bytes, lock=folder)
         weakref.finalize(eng, eng.disk.close)  # its writes finish even if close() is not called
     return eng
+
+
+def _group_rank() -> int:
+    """This process's rank in its launched group (0 alone, or without mlx.distributed:
+    `shard.connect` says what is wrong then)."""
+    if not mx.distributed.is_available():
+        return 0
+    return mx.distributed.init().rank()
 
 
 def _load(model, *, dtype, chunked_delta, cache_bytes, quantize, speculative, spec, max_batch,

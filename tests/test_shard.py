@@ -131,6 +131,17 @@ def test_a_request_branching_off_a_pooled_sequence_forks_it_on_every_rank(tiny, 
     _compare(ref, tmp_path, "tiny", "--forks")
 
 
+def test_a_script_passing_cache_dir_on_every_rank_runs_on_one_machine(tiny, tmp_path):
+    # A script started the same way on every rank passes the same cache_dir= everywhere.
+    # Every rank took the folder's lock, though only rank 0 uses it: on one machine the
+    # second rank failed with DiskCacheBusy and the group with it.
+    disk = tmp_path / "disk"
+    rows, _ = _two_ranks(tmp_path, "tiny", "--forks", "--cache-dir", str(disk))
+    want, _ = shard_chat.forks(engine.load("tiny"))
+    assert [r["tokens"] for r in rows] == [r["tokens"] for r in want]
+    assert list(disk.glob("*/*.safetensors"))  # rank 0 has it
+
+
 def test_saved_session_and_disk_tier_resume_in_a_new_launch(tiny, tmp_path):
     # Two ranks chat in a persisted session with a disk tier and exit; a new 2-rank launch
     # resumes both. Rank 0 gathers every layer into the state files: they equal one
