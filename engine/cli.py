@@ -458,12 +458,16 @@ def _main(argv: list[str] | None) -> int:
         return 2
     from .checkpoints.loader import CheckpointError
     from .checkpoints.registry import RegistryError
+    from .runtime.shard import ShardError
 
     try:
         return args.func(args)
     except (CheckpointError, RegistryError) as e:  # a bad model name or folder: say so, no trace
         print(f"chatml {args.command}: {e}", file=sys.stderr)
         return 1
+    except ShardError as e:  # --shard: not launched, ranks that disagree, a rank gone
+        print(f"chatml {args.command}: {e}", file=sys.stderr)
+        return 3  # as `chatml chat` says it at load, and a follower rank whose peer is gone
     except KeyboardInterrupt:
         return 130
 

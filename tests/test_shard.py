@@ -319,6 +319,22 @@ def test_a_process_alone_cannot_shard(tiny):
         engine.load("tiny", shard="tensor")
 
 
+def test_serve_alone_with_shard_says_so_without_a_traceback(tiny, tmp_path):
+    # `chatml chat --shard pipeline` outside mlx.launch says what is wrong in one line (exit
+    # 3); `chatml serve` printed a ShardError traceback (exit 1) for the same mistake, and for
+    # ranks that disagree on the checkpoint or options.
+    env = {k: v for k, v in os.environ.items() if k not in ("MLX_HOSTFILE", "MLX_RANK")}
+    env["PYTHONPATH"] = str(REPO)
+    run = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "serve", "--model", "tiny", "--port", "0",
+         "--no-disk-cache", "--shard", "pipeline"],
+        capture_output=True, text=True, env=env, timeout=WAIT, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert run.returncode == 3, run.stderr[-3000:]  # as chatml chat
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert "chatml serve: shard='pipeline' runs in a launched group" in run.stderr
+
+
 def test_each_rank_loads_only_its_tensors(tiny):
     from types import SimpleNamespace
 
