@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -282,6 +283,22 @@ def test_ranks_on_different_checkpoints_refuse(tiny, tiny_moe, tmp_path):
         assert code != 0
         assert "the ranks disagree on the checkpoint" in stderr, stderr[-3000:]
         assert tiny.fingerprint in stderr and tiny_moe.fingerprint in stderr
+
+
+def test_ranks_running_different_code_refuse(tiny, tmp_path):
+    # Two checkouts of the same protocol with different layer code ran together and could
+    # answer inexactly without an error: the handshake compares a digest of the code too.
+    copy = tmp_path / "other"
+    for name in ("engine", "kernels", "renderer"):
+        shutil.copytree(REPO / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "models.yaml", copy)
+    with open(copy / "engine" / "runtime" / "model.py", "a") as f:
+        f.write("\n# another version of the layers\n")
+    procs = _launch(tmp_path, ["tiny", str(tmp_path / "x")], env={1: {"PYTHONPATH": str(copy)}})
+    for code, _, stderr in _finish(procs):
+        assert code != 0
+        assert "the ranks disagree on the load options" in stderr, stderr[-3000:]
+        assert "or the engine's code" in stderr, stderr[-3000:]
 
 
 def test_plan_splits_contiguous_ranges_last_layers_on_rank_0():

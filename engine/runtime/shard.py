@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import hashlib
 import itertools
 import math
@@ -48,6 +49,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -253,6 +255,20 @@ def fatal(message: str) -> None:
 joined: Link | None = None  # this process's place in its group, once `connect` ran
 
 
+@functools.cache
+def code_digest() -> str:
+    """A digest of the engine's and the kernels' sources on this rank: two checkouts of one
+    protocol with different layer code would run together and answer inexactly."""
+    digest = hashlib.sha256()
+    for package in ("engine", "kernels"):
+        root = Path(__file__).resolve().parents[2] / package
+        for file in sorted(root.rglob("*")):
+            if file.suffix in (".py", ".cpp", ".h") and "__pycache__" not in file.parts:
+                digest.update(file.relative_to(root.parent).as_posix().encode() + b"\0")
+                digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def connect(ckpt, options: dict) -> Link:
     """Join the launched group, check every rank loads the same checkpoint with the same
     options, and plan the split. Raises ShardError on every rank when they disagree."""
@@ -269,7 +285,7 @@ def connect(ckpt, options: dict) -> Link:
     global joined
     link = joined = Link(group, ranges, timeout())
     # 16 bytes of checkpoint fingerprint and 16 of the options' digest, from every rank.
-    settings = repr(sorted(options.items())) + f"protocol={PROTOCOL}"
+    settings = repr(sorted(options.items())) + f"protocol={PROTOCOL} code={code_digest()}"
     mine = (
         ckpt.fingerprint.encode()[:16].ljust(16) + hashlib.sha256(settings.encode()).digest()[:16]
     )
@@ -287,7 +303,8 @@ def connect(ckpt, options: dict) -> Link:
     if len({r[16:] for r in rows}) > 1:
         raise ShardError(
             "the ranks disagree on the load options (dtype, quantize, chunked_delta) or the "
-            f"engine version: launch the same command on every rank (this rank: {options})"
+            "engine's code: launch the same command from the same version on every rank (this "
+            f"rank: {options}, code {code_digest()})"
         )
     # Each rank reads its own CHATML_SHARD_TIMEOUT: an idle rank 0 must ping within the
     # shortest, or a follower with a shorter one takes it for dead.
