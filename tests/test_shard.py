@@ -440,6 +440,43 @@ def _rank_0_of(marker: str) -> int:
     raise AssertionError("rank 0 of the sharded server not found")
 
 
+def test_a_sharded_server_whose_follower_dies_exits_with_a_message(tiny, tmp_path):
+    # Ranks started by hand (no mlx.launch to end the survivors): rank 0's server went on
+    # with a broken link, failing every request. Its heartbeat now finds the peer gone, and
+    # the server stops and exits 3 naming it, as `chatml chat` does.
+    hosts = _hostfile(tmp_path)
+    procs = []
+    for rank in (0, 1):
+        env = {
+            **os.environ,
+            "MLX_HOSTFILE": str(hosts),
+            "MLX_RANK": str(rank),
+            "PYTHONPATH": str(REPO),
+            "CHATML_SHARD_TIMEOUT": "16",
+        }  # pings every 2 s
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "engine.cli", "serve", "--model", "tiny", "--port", "0",
+             "--no-disk-cache", "--shard", "pipeline"],
+            env=env, text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=(tmp_path / f"rank{rank}.err").open("w"),
+        ))  # fmt: skip
+    try:
+        for line in procs[0].stdout:  # the banner: loaded, listening
+            if line.startswith("chatml serve: tiny on"):
+                break
+        else:
+            raise AssertionError((tmp_path / "rank0.err").read_text()[-3000:])
+        procs[1].kill()
+        assert procs[0].wait(timeout=WAIT) == shard.EXIT_LOST
+        stderr = (tmp_path / "rank0.err").read_text()
+        assert "chatml serve: chatml shard rank 0 of 2" in stderr, stderr[-3000:]
+        assert "a peer rank is gone" in stderr and "Traceback" not in stderr
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=WAIT)
+
+
 def test_sharded_server_answers_as_one_process(tiny, tmp_path):
     # `mlx.launch -n 2 ... chatml serve --shard pipeline`: two requests, the second reusing the
     # first's prefix, answered as a 1-process server answers them (tokens, logprobs within

@@ -118,6 +118,7 @@ class Link:
         self.lock = threading.Lock()  # one message exchange at a time on this rank
         self.sent_bytes = self.received_bytes = 0  # headers and hidden states, this rank
         self.broken: str | None = None  # why the ring failed (then nothing more is sent)
+        self.failed = threading.Event()  # set with `broken` (`chatml serve` then exits)
         self.shortest = limit  # the shortest timeout of any rank (`connect`): pings beat it
         self.last_sent = time.monotonic()
         self._deadline: float | None = None
@@ -143,6 +144,7 @@ class Link:
                 # connection closes ("[ring] connection to a peer was lost").
                 if isinstance(error, RuntimeError) and not isinstance(error, ShardError):
                     link.broken = f"{link.who()}: {what} failed: a peer rank is gone ({error})"
+                    link.failed.set()
                     raise ShardError(link.broken)
 
         return _Wait()

@@ -47,6 +47,7 @@ from ..args import shard_rank, speculative_options
 from ..runtime import grammar
 from ..runtime.batch import DEFAULT_MAX_BATCH, DEFAULT_PASS_TOKENS
 from ..runtime.pool import DEFAULT_SEQUENCES
+from ..runtime.shard import EXIT_LOST
 from ..runtime.worker import Job
 from ..session import resolve_window
 from ..stateless import DEFAULT_MAX_TOKENS, PreparedChat, openai_message
@@ -907,6 +908,7 @@ def _serve(args, sock, folder, sampling, api_key, origins, speculative, shard) -
         server = uvicorn.Server(uvicorn.Config(app, log_level="info",
                                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))  # fmt: skip
         app.watch(server)  # a stop cancels the requests at once
+        lost = _stop_when_a_rank_is_lost(eng, server)
         # The handlers before the banner: a client (or a test) that stops the server as soon
         # as it reads the banner gets a clean stop, not the default SIGTERM's kill.
         with _stop_signals(server, stopped_by):
@@ -921,11 +923,32 @@ def _serve(args, sock, folder, sampling, api_key, origins, speculative, shard) -
             server.run(sockets=[sock])
     finally:
         eng.close()  # the disk cache's writes finish, its folder is released
+    if lost:
+        print(f"chatml serve: {lost[0]}", file=sys.stderr, flush=True)
+        return EXIT_LOST
     if stopped_by:  # after the close: this line says everything queued is on disk
         kept = f"; disk cache closed, {disk.writes} prefixes written" if disk else ""
         print(f"chatml serve: stopped by {signal.Signals(stopped_by[0]).name}{kept}",
               flush=True)  # fmt: skip
     return 0
+
+
+def _stop_when_a_rank_is_lost(eng, server: uvicorn.Server) -> list[str]:
+    """With --shard, a peer rank gone (a failed transfer: a request's, or rank 0's heartbeat)
+    stops the server, which then exits 3 naming it, as `chatml chat` does: every later request
+    would fail. The list gets the reason."""
+    lost: list[str] = []
+    link = getattr(eng.model, "link", None)
+    if link is None:
+        return lost
+
+    def watch() -> None:
+        link.failed.wait()
+        lost.append(link.broken)
+        server.should_exit = True
+
+    threading.Thread(target=watch, name="chatml-serve-shard-watch", daemon=True).start()
+    return lost
 
 
 @contextmanager
