@@ -131,6 +131,18 @@ def test_a_constraint_holds_with_thinking_on(tiny_chat, budget):
             assert called.tool_call_error is None and len(called.tool_calls) == 1, called
 
 
+def test_a_json_answer_without_a_think_block_begins_with_the_json(tiny_chat):
+    """Up to two leading newlines are allowed after `</think>` (the template's "\\n\\n");
+    without a think block the JSON begins at once: tiny-chat's raw text was "\\n\\n{}"."""
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    for spec in ({"type": "json_object"}, FORMAT):
+        for seed in (None, 1, 2):
+            turn = tiny_chat.chat(ask, response_format=spec, enable_thinking=False, max_tokens=48,
+                                  temperature=0.0 if seed is None else 1.0, seed=seed, warm=False)  # fmt: skip
+            raw = tiny_chat.tokenizer.decode(turn.token_ids)
+            assert raw.startswith("{"), (spec, seed, raw)
+
+
 def test_bad_constraints_raise_naming_them(tiny):
     ok = [{"role": "user", "content": "hi"}]
     cases = [({"response_format": {"type": "yaml"}}, "response_format"),
@@ -211,7 +223,8 @@ def _ask(c, messages, **kw):
 
 SCHEMAS = [
     SCHEMA,
-    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+     "additionalProperties": False},  # else random weights may write an endless extra key
     {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
     {"type": "object", "properties": {"tags": {"type": "array", "items": {
         "type": "string", "pattern": "^[a-z]{1,3}$"}, "maxItems": 2}}, "required": ["tags"],

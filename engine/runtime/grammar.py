@@ -12,8 +12,9 @@ the matcher takes the drafts one by one as the masks are computed, then rolls th
 (`draft`, `restore`); the tokens that stand are then accepted as plain decoding's are.
 
 With a think block open (thinking mode) the constraint starts after `</think>`: the
-reasoning is free, the answer is constrained (up to two leading newlines allowed, as the
-template puts "\\n\\n" there). JSON answers are compact: no free whitespace to pad with.
+reasoning is free, the answer is constrained (a JSON answer or a forced call may begin with up
+to two newlines, as the template puts "\\n\\n" there; without a think block a JSON answer
+begins at once). JSON answers are compact: no free whitespace to pad with.
 
 llguidance's copy of the tokenizer is built once per process (seconds; `prepare` starts it
 in the background). Compiled grammars are cached per grammar text and tokenizer; each answer
@@ -43,19 +44,22 @@ class GrammarError(ValueError):
     """A constraint that cannot be compiled (bad schema, regex or grammar)."""
 
 
-def grammar_text(spec: dict) -> str:
+def grammar_text(spec: dict, after_think: bool = False) -> str:
     """llguidance's grammar for a constraint `spec`, one of:
 
     - ``{"type": "json_schema", "json_schema": {"schema": {...}}}`` (OpenAI's response_format;
       ``{"type": "json_schema", "schema": {...}}`` also accepted),
     - ``{"type": "json_object"}`` (any JSON object),
     - ``{"type": "regex", "regex": "..."}``, ``{"type": "lark", "lark": "..."}``.
+
+    `after_think`: the answer follows a think block, where the template puts "\\n\\n": a JSON
+    answer may begin with up to two newlines there (without one it begins at once).
     """
-    return _grammar_text(json.dumps(spec, sort_keys=True))
+    return _grammar_text(json.dumps(spec, sort_keys=True), after_think)
 
 
 @lru_cache(maxsize=256)
-def _grammar_text(key: str) -> str:
+def _grammar_text(key: str, after_think: bool) -> str:
     spec = json.loads(key)
     kind = spec.get("type") if isinstance(spec, dict) else None
     if kind in ("json_schema", "json_object"):
@@ -68,8 +72,8 @@ def _grammar_text(key: str) -> str:
                 raise GrammarError("a json_schema constraint needs a 'schema' object")
         if isinstance(schema, dict):  # compact JSON: no room for a model to pad with whitespace
             schema = {"x-guidance": {"whitespace_flexible": False}, **schema}
-        # After a think block the template puts "\n\n" before the answer.
-        return _lark(f"start: /\\n{{0,2}}/ answer\nanswer: %json {json.dumps(schema)}")
+        lead = "/\\n{0,2}/ " if after_think else ""
+        return _lark(f"start: {lead}answer\nanswer: %json {json.dumps(schema)}")
     if kind == "regex" and isinstance(spec.get("regex"), str):
         import llguidance
 
@@ -255,7 +259,8 @@ class GrammarProcessor(LogitsProcessor):
 
     def __init__(self, engine, spec: dict, *, start_after: int | None = None):
         self.llt = tokenizer_for(engine)
-        self.matcher = _compiled(grammar_text(spec), self.llt).deep_copy()
+        text = grammar_text(spec, after_think=start_after is not None)
+        self.matcher = _compiled(text, self.llt).deep_copy()
         self.active = start_after is None  # else: waits for that token (`</think>`)
         self.start_after = start_after
         self.stops = frozenset(engine.stop_ids)
