@@ -1,12 +1,13 @@
 """A scripted chat for the sharding tests (tests/test_shard.py), run in one process or by every
 rank of a launched group: `python tests/shard_chat.py MODEL OUT [--shard pipeline] [--pause]
-[--sequential] [--short] [--budget BYTES] [--cache-dir DIR]
+[--drop] [--sequential] [--short] [--budget BYTES] [--cache-dir DIR]
 [--save HOME | --resume HOME | --forks]`. Rank 0 writes
 OUT.json (per turn: tokens, counts, logprobs) and OUT.npz (the logits of fresh prefills); the
 other ranks serve it and exit.
 
 `--pause` streams one long answer instead, printing ANSWERING after its first piece and
-waiting for a line on stdin before reading on (the tests kill or stop a rank there).
+waiting for a line on stdin before reading on (the tests kill or stop a rank there); `--drop`
+answers once, lets the engine be collected, prints DROPPED and waits for a line.
 `--save HOME` chats in a persisted session under HOME, with a disk tier in HOME/disk;
 `--resume HOME` resumes it there (see `persist`); `--forks` runs `forks`.
 """
@@ -257,6 +258,22 @@ def pause(eng) -> None:
     print("FINISHED", flush=True)
 
 
+def drop(held: list) -> None:
+    """Answer once, let the engine go (the process lives on), print DROPPED, wait for a line.
+    `held` holds the only reference to the engine (the caller's frame keeps none)."""
+    import gc
+    import weakref
+
+    held[0].chat([{"role": "user", "content": QUESTIONS[0]}], max_tokens=4)
+    assert held[0].worker.idle.wait(60)  # the answer's task has ended on the model thread
+    ref = weakref.ref(held.pop())
+    gc.collect()
+    gc.collect()
+    print("DROPPED" if ref() is None else "STILL HELD", flush=True)
+    sys.stdin.readline()
+    print("FINISHED", flush=True)
+
+
 def main(argv: list[str]) -> None:
     model, out = argv[0], Path(argv[1])
     shard = "pipeline" if "--shard" in argv else None
@@ -266,6 +283,10 @@ def main(argv: list[str]) -> None:
                       cache_bytes=budget, cache_dir=disk)  # fmt: skip
     if "--pause" in argv:
         return pause(eng)
+    if "--drop" in argv:
+        held = [eng]
+        del eng
+        return drop(held)
     import numpy as np
 
     if "--forks" in argv:

@@ -266,6 +266,28 @@ def test_a_follower_with_a_shorter_timeout_outlives_an_idle_rank_0(tiny, tmp_pat
         assert code == 0, f"rank {rank} failed:\n{stderr[-3000:]}"
 
 
+def test_followers_outlive_an_engine_dropped_while_the_process_lives_on(tiny, tmp_path):
+    # The heartbeat pinged through the engine's model thread: once a Python caller let the
+    # engine go (collected), rank 0 fell silent, and the followers took it for dead after
+    # their timeout (exit 3; under mlx.launch that ends rank 0 too). They are told to stop
+    # at rank 0's exit, as before.
+    env = {rank: {"CHATML_SHARD_TIMEOUT": "3"} for rank in (0, 1)}
+    procs = _launch(tmp_path, ["tiny", str(tmp_path / "x"), "--drop"], env)
+    line = procs[0].stdout.readline()
+    assert line.strip() == "DROPPED", line + procs[0].communicate(timeout=WAIT)[1][-3000:]
+    try:
+        code = procs[1].wait(timeout=12)  # rank 0 lives on without its engine: 4 timeouts
+    except subprocess.TimeoutExpired:
+        code = None
+    if code is not None:
+        procs[0].kill()
+        pytest.fail(f"the follower exited ({code}):\n{procs[1].stderr.read()[-3000:]}")
+    procs[0].stdin.write("go on\n")
+    procs[0].stdin.flush()
+    for rank, (code, _, stderr) in enumerate(_finish(procs)):
+        assert code == 0, f"rank {rank} failed:\n{stderr[-3000:]}"
+
+
 @pytest.mark.parametrize("raw", ["nan", "inf", "-1", "0", "soon"])
 def test_a_shard_timeout_that_is_no_finite_positive_number_is_refused(monkeypatch, raw):
     # NaN disarmed the watchdog (no deadline compares as passed): a hung peer hung this rank

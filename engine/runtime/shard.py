@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -636,25 +637,32 @@ def _releases() -> list[int]:
 
 def heartbeat(model: PipelineModel, worker_of) -> None:
     """Ping the followers from the engine's model thread whenever the link has been quiet for
-    a while: `worker_of()` gives the engine's worker (None: stop). A ping is a plain job: it
-    runs between the turns of open generations too (one whose consumer stalls included)."""
+    a while: `worker_of()` gives the engine's worker (None: the engine is gone). A ping is a
+    plain job: it runs between the turns of open generations too (one whose consumer stalls
+    included). Once the engine is collected while the process lives on, this thread pings
+    itself (nothing else uses the model then), so the followers wait for the exit's stop."""
     from .worker import Job
 
     every = max(model.link.shortest / 8, 0.05)
+
+    def ping():  # a job on the model thread, or a ping from here (no worker: None)
+        worker = worker_of()  # not held across the sleeps: it would keep the engine alive
+        if worker is None:
+            with contextlib.suppress(ShardError):  # a broken link ends the loop
+                model.ping()
+            return None
+        try:
+            return worker.submit(Job(lambda job: model.ping()))
+        except RuntimeError:  # the worker stopped (engine closed): a new one comes
+            return None
 
     def loop():
         pending = None
         while not model.stopped and not model.link.broken:
             time.sleep(every)
-            worker = worker_of()
-            if worker is None:
-                return
             quiet = time.monotonic() - model.link.last_sent >= every
             if quiet and (pending is None or pending.done.is_set()):
-                try:
-                    pending = worker.submit(Job(lambda job: model.ping()))
-                except RuntimeError:  # the worker stopped (engine closed): a new one comes
-                    pending = None
+                pending = ping()
 
     threading.Thread(target=loop, name="chatml-shard-heartbeat", daemon=True).start()
 
