@@ -475,10 +475,10 @@ def _load(model, *, dtype, chunked_delta, cache_bytes, quantize, speculative, sp
     eng.speculative = spec
     eng.set_max_batch(max_batch)
     eng.set_pass_tokens(pass_tokens)
+    if link is not None:  # first: the followers are pinged while a draft model loads, and
+        sharding.attach(eng)  # told to stop at exit if it fails
     if spec is not None and isinstance(spec.drafter, DraftModel):
         spec.drafter.load(eng)
-    if link is not None:
-        sharding.attach(eng)
     return eng
 
 

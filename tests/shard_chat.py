@@ -1,6 +1,6 @@
 """A scripted chat for the sharding tests (tests/test_shard.py), run in one process or by every
 rank of a launched group: `python tests/shard_chat.py MODEL OUT [--shard pipeline] [--pause]
-[--drop] [--sequential] [--short] [--budget BYTES] [--cache-dir DIR]
+[--drop] [--draft DIR] [--sequential] [--short] [--budget BYTES] [--cache-dir DIR]
 [--save HOME | --resume HOME | --forks]`. Rank 0 writes
 OUT.json (per turn: tokens, counts, logprobs) and OUT.npz (the logits of fresh prefills); the
 other ranks serve it and exit.
@@ -279,8 +279,10 @@ def main(argv: list[str]) -> None:
     shard = "pipeline" if "--shard" in argv else None
     budget = int(argv[argv.index("--budget") + 1]) if "--budget" in argv else None
     disk = argv[argv.index("--cache-dir") + 1] if "--cache-dir" in argv else None
+    draft = argv[argv.index("--draft") + 1] if "--draft" in argv else None
     eng = engine.load(model, shard=shard, chunked_delta="--sequential" not in argv,
-                      cache_bytes=budget, cache_dir=disk)  # fmt: skip
+                      cache_bytes=budget, cache_dir=disk,
+                      speculative=f"draft:{draft}" if draft else None)  # fmt: skip
     if "--pause" in argv:
         return pause(eng)
     if "--drop" in argv:

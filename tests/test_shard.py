@@ -288,6 +288,21 @@ def test_followers_outlive_an_engine_dropped_while_the_process_lives_on(tiny, tm
         assert code == 0, f"rank {rank} failed:\n{stderr[-3000:]}"
 
 
+def test_a_failed_draft_model_load_on_rank_0_stops_the_followers(tiny, tmp_path):
+    # The draft model loaded before rank 0 attached (heartbeat, stop at exit): one that
+    # failed (here: another tokenizer) ended rank 0 with its error, and the follower saw a
+    # lost peer (exit 3: "[ring] Socket ... was closed by the peer"); a slow one went
+    # unpinged. Rank 0 now attaches first: at its exit it tells the followers to stop.
+    folder = tmp_path / "other-tokenizer"
+    shutil.copytree(tiny.path, folder)
+    with open(folder / "tokenizer.json", "a") as f:
+        f.write(" ")
+    procs = _launch(tmp_path, ["tiny", str(tmp_path / "x"), "--draft", str(folder)])
+    (code0, _, stderr0), (code1, _, stderr1) = _finish(procs)
+    assert code0 != 0 and "the draft model's tokenizer differs" in stderr0, stderr0[-3000:]
+    assert code1 == 0, stderr1[-3000:]  # told to stop, not a lost peer
+
+
 @pytest.mark.parametrize("raw", ["nan", "inf", "-1", "0", "soon"])
 def test_a_shard_timeout_that_is_no_finite_positive_number_is_refused(monkeypatch, raw):
     # NaN disarmed the watchdog (no deadline compares as passed): a hung peer hung this rank
