@@ -246,15 +246,11 @@ def test_hung_follower_ends_rank_0_after_the_timeout(tiny, tmp_path):
     assert "waited 5 s" in stderr and "hangs or its machine is unreachable" in stderr
 
 
-def test_a_follower_with_a_shorter_timeout_outlives_an_idle_rank_0(tiny, tmp_path):
-    # Each rank reads its own CHATML_SHARD_TIMEOUT. Rank 0 pinged at an eighth of its own
-    # (5 s here), so a follower waiting at most 3 s took an idle pipeline for a dead one and
-    # exited; rank 0 must ping within the shortest timeout of the group.
-    env = {0: {"CHATML_SHARD_TIMEOUT": "40"}, 1: {"CHATML_SHARD_TIMEOUT": "3"}}
-    procs = _launch(tmp_path, ["tiny", str(tmp_path / "x"), "--pause"], env)
-    _answering(procs)
+def _follower_outlives_rank_0(procs, seconds: float) -> None:
+    """Rank 0 waits for a line on stdin: the follower must still be there after `seconds`,
+    and both ranks exit 0 once rank 0 goes on."""
     try:
-        code = procs[1].wait(timeout=12)  # rank 0 idles: four follower timeouts
+        code = procs[1].wait(timeout=seconds)
     except subprocess.TimeoutExpired:
         code = None
     if code is not None:
@@ -264,6 +260,16 @@ def test_a_follower_with_a_shorter_timeout_outlives_an_idle_rank_0(tiny, tmp_pat
     procs[0].stdin.flush()
     for rank, (code, _, stderr) in enumerate(_finish(procs)):
         assert code == 0, f"rank {rank} failed:\n{stderr[-3000:]}"
+
+
+def test_a_follower_with_a_shorter_timeout_outlives_an_idle_rank_0(tiny, tmp_path):
+    # Each rank reads its own CHATML_SHARD_TIMEOUT. Rank 0 pinged at an eighth of its own
+    # (5 s here), so a follower waiting at most 3 s took an idle pipeline for a dead one and
+    # exited; rank 0 must ping within the shortest timeout of the group.
+    env = {0: {"CHATML_SHARD_TIMEOUT": "40"}, 1: {"CHATML_SHARD_TIMEOUT": "3"}}
+    procs = _launch(tmp_path, ["tiny", str(tmp_path / "x"), "--pause"], env)
+    _answering(procs)
+    _follower_outlives_rank_0(procs, 12)  # rank 0 idles: four follower timeouts
 
 
 def test_followers_outlive_an_engine_dropped_while_the_process_lives_on(tiny, tmp_path):
@@ -275,17 +281,7 @@ def test_followers_outlive_an_engine_dropped_while_the_process_lives_on(tiny, tm
     procs = _launch(tmp_path, ["tiny", str(tmp_path / "x"), "--drop"], env)
     line = procs[0].stdout.readline()
     assert line.strip() == "DROPPED", line + procs[0].communicate(timeout=WAIT)[1][-3000:]
-    try:
-        code = procs[1].wait(timeout=12)  # rank 0 lives on without its engine: 4 timeouts
-    except subprocess.TimeoutExpired:
-        code = None
-    if code is not None:
-        procs[0].kill()
-        pytest.fail(f"the follower exited ({code}):\n{procs[1].stderr.read()[-3000:]}")
-    procs[0].stdin.write("go on\n")
-    procs[0].stdin.flush()
-    for rank, (code, _, stderr) in enumerate(_finish(procs)):
-        assert code == 0, f"rank {rank} failed:\n{stderr[-3000:]}"
+    _follower_outlives_rank_0(procs, 12)  # rank 0 lives on without its engine: 4 timeouts
 
 
 def test_a_failed_draft_model_load_on_rank_0_stops_the_followers(tiny, tmp_path):
