@@ -348,6 +348,55 @@ def test_a_damaged_entry_that_cannot_be_deleted_is_still_skipped(eng, disk, monk
     assert entry.path.exists() and disk.rejected == 1
 
 
+@pytest.mark.parametrize(
+    "failure", [MemoryError(), OSError(5, "Input/output error"), OSError(24, "Too many open files")]
+)
+def test_an_entry_that_fails_to_read_for_want_of_memory_or_io_is_kept(eng, disk, monkeypatch,
+                                                                     caplog, failure):  # fmt: skip
+    """Any failure of a read deleted the entry, as if the file were damaged: a moment without
+    memory or file handles (or a disk error) threw away a good entry for every later turn and
+    restart. Now only damage deletes; the turn prefills and a later one restores the entry."""
+    import engine.storage.disk_cache as disk_cache
+
+    ids = prompt_of(eng, conversation(6)).ids
+    with eng.lock:
+        disk.store(prefix_seq(eng, ids[:-1]), len(ids) - 1)
+        disk.flush()
+        entry = disk.lookup(ids)
+        real = disk_cache.decode_state
+
+        def failing(*args, **kwargs):
+            raise failure
+
+        monkeypatch.setattr(disk_cache, "decode_state", failing)
+        assert disk.restore(entry) is None
+        monkeypatch.setattr(disk_cache, "decode_state", real)
+        assert entry.path.exists() and disk.rejected == 0 and "kept" in caplog.text
+        again = disk.lookup(ids)
+        assert again is not None and again.path == entry.path
+        tokens, _ = disk.restore(again)
+        assert tokens == ids[:-1] and disk.reads == 1
+
+
+def test_an_entry_deleted_or_made_unreadable_by_someone_else_is_forgotten(eng, disk):
+    ids = prompt_of(eng, conversation(7)).ids
+    with eng.lock:
+        for pos in (len(ids) - 1, len(ids) - 5):
+            disk.store(prefix_seq(eng, ids[:pos]), pos)
+        disk.flush()
+        deleted = disk.lookup(ids)
+        deleted.path.unlink()
+        assert disk.restore(deleted) is None and disk.lookup(ids).tokens == len(ids) - 5
+        unreadable = disk.lookup(ids)
+        real = type(unreadable.path).read_bytes
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(type(unreadable.path), "read_bytes", lambda self: (
+                (_ for _ in ()).throw(PermissionError(13, "Permission denied", str(self)))
+                if self == unreadable.path else real(self)))  # fmt: skip
+            assert disk.restore(unreadable) is None and disk.lookup(ids) is None
+        assert unreadable.path.exists() and disk.rejected == 0  # another user's file: left
+
+
 def test_crash_mid_write_leaves_nothing_that_loads(eng, disk, tmp_path):
     ids = prompt_of(eng, conversation(8)).ids
     with eng.lock:

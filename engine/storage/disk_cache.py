@@ -402,7 +402,15 @@ class DiskCache:
         try:
             data = entry.path.read_bytes()
             tokens, caches, _ = decode_state(data, self.engine, entry.key)
-        except Exception as e:  # unreadable, or damage the decoder chokes on: prefill instead
+        except (FileNotFoundError, PermissionError) as e:  # gone, or another user's: left be
+            log.warning("%s: not read (%s); no longer indexed", entry.path, e)
+            with self._guard:
+                self._index.pop(entry.path, None)
+            return None
+        except (MemoryError, OSError) as e:  # says nothing of the file: a later turn retries
+            log.warning("%s: not read (%s: %s); kept", entry.path, e.__class__.__name__, e)
+            return None
+        except Exception as e:  # damage the decoder chokes on: prefill instead
             log.warning("%s: skipped and deleted (%s: %s)", entry.path, e.__class__.__name__, e)
             self.rejected += 1
             self._forget(entry)
