@@ -6,6 +6,8 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 
+from renderer.validation import MARKUP_NAME
+
 from .runtime.sampling import TokenLogprob
 
 
@@ -96,8 +98,8 @@ def make_turn(prompt, raw: str, progress, t0: float, *, cache_bytes: int, warm_t
                 calls, error, logprobs)  # fmt: skip
 
 
-_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
-_PARAM = re.compile(r"\s*<parameter=([^>\n]+)>\n?")
+_FUNCTION = re.compile(rf"\s*<function=({MARKUP_NAME})>")
+_PARAM = re.compile(rf"\s*<parameter=({MARKUP_NAME})>\n?")
 _JSON_END = re.compile(r"\s*</parameter>")
 _CALL_END = re.compile(r"\s*</function>\s*</tool_call>")
 _SPACE = re.compile(r"\s*")

@@ -434,10 +434,12 @@ def validate_tools(tools: Any) -> list[dict]:
     return list(tools)
 
 
-# A call's markup is `<function=NAME>` and `<parameter=KEY>` (engine/turn.py reads it back):
-# a name holding '>' or a line break would end the tag early, so no call of it could be read.
-_MARKUP = "cannot contain '>' or a line break (Qwen3.5 writes calls as <function=NAME>)"
+# A call's markup is `<function=NAME>` and `<parameter=KEY>`; engine/turn.py reads the names
+# back with this pattern, so a name outside it (empty, or holding '>' or a line break, which
+# would end the tag early) could never be called.
+MARKUP_NAME = r"[^>\n]+"
+_MARKUP = "must be non-empty, without '>' or a line break (Qwen3.5 writes calls as <function=NAME>)"
 
 
 def _unreadable_in_markup(name: str) -> bool:
-    return ">" in name or "\n" in name
+    return re.fullmatch(MARKUP_NAME, name) is None

@@ -384,6 +384,9 @@ def test_matching_tool_results_are_accepted(server):
         ([{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"a>b": {"type": "string"}}}}}],
          "tools[0].function.parameters.properties"),
+        ([{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"": {"type": "string"}}}}}],
+         "tools[0].function.parameters.properties"),
     ],
 )  # fmt: skip
 def test_bad_tool_definitions_are_a_400(server, tools, param):
