@@ -74,12 +74,15 @@ class Rows:
             yield n
 
 
-def test_a_consumer_that_asked_during_a_slow_turn_still_joins_the_next_step():
+def test_a_consumer_that_asked_during_a_slow_turn_still_joins_the_next_step(monkeypatch):
     """Decoders A and B beside a prefill C, whose row is always waiting. A's consumer asks
     for its next token while B's turn runs long (a turn may wait for the last pass to finish
     computing), so A is ready, not waiting, when the next pass is gathered: its row must
     join that pass all the same, not wait a whole one (A's and B's rows then took turns,
     each in every other pass of C's prefill)."""
+    # The gather waits GATHER_S (2 ms) for consumers to ask: on a loaded machine B's could miss
+    # a pass. The test is about A, which has asked: wait as long as B's takes.
+    monkeypatch.setattr("engine.runtime.worker.GATHER_S", 60.0)
     rows = Rows()
     worker = ModelThread(threading.RLock(), batch=rows)
     try:
