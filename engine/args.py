@@ -114,6 +114,6 @@ def shard_rank(args: argparse.Namespace) -> int:
     open their terminal or port on rank 0 only."""
     if getattr(args, "shard", None) is None:
         return 0
-    import mlx.core as mx
+    from .runtime.shard import join_group
 
-    return mx.distributed.init().rank()
+    return join_group().rank()

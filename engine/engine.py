@@ -384,7 +384,9 @@ def _group_rank() -> int:
     `shard.connect` says what is wrong then)."""
     if not mx.distributed.is_available():
         return 0
-    return mx.distributed.init().rank()
+    from .runtime.shard import join_group
+
+    return join_group().rank()
 
 
 def _load(model, *, dtype, chunked_delta, cache_bytes, quantize, speculative, spec, max_batch,

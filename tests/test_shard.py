@@ -385,6 +385,26 @@ def test_serve_alone_with_shard_says_so_without_a_traceback(tiny, tmp_path):
     assert "chatml serve: shard='pipeline' runs in a launched group" in run.stderr
 
 
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_a_rank_started_by_hand_whose_peer_never_comes_says_so_and_exits(tiny, tmp_path,
+                                                                          command):  # fmt: skip
+    # MLX's ring backend waits for every rank of the hostfile forever, silently: a rank
+    # started by hand (MLX_RANK, MLX_HOSTFILE) whose peer never started hung with no word.
+    env = {**os.environ, "MLX_HOSTFILE": str(_hostfile(tmp_path)), "MLX_RANK": "0",
+           "PYTHONPATH": str(REPO), "CHATML_SHARD_TIMEOUT": "0.6"}  # fmt: skip
+    args = ["-p", "Hi"] if command == "chat" else ["--port", "0", "--no-disk-cache"]
+    run = subprocess.run(
+        [sys.executable, "-m", "engine.cli", command, "--model", "tiny", *args,
+         "--shard", "pipeline"],
+        capture_output=True, text=True, env=env, timeout=WAIT, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    # MLX holds the GIL while it waits: a watch process says so and ends the rank.
+    assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert "chatml shard rank 0: waiting for the other ranks of the group to start" in run.stderr
+    assert "chatml shard rank 0: the group did not form within 6 s" in run.stderr
+
+
 def test_each_rank_loads_only_its_tensors(tiny):
     from types import SimpleNamespace
 

@@ -45,6 +45,7 @@ import itertools
 import math
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -257,6 +258,42 @@ def fatal(message: str) -> None:
 
 joined: Link | None = None  # this process's place in its group, once `connect` ran
 
+JOIN_NOTICE_S = 5.0  # a rank still waiting for its peers after this says so
+
+
+@functools.cache
+def join_group() -> mx.distributed.Group:
+    """This process's group (`mx.distributed.init`), joined within 10x CHATML_SHARD_TIMEOUT.
+
+    MLX's ring backend waits for every rank of the hostfile to connect, forever and silently,
+    holding the GIL: a rank started by hand whose peer never comes would hang with no word.
+    A watch process (`join_watch.py`) says what the rank waits for after a few seconds, and
+    past the bound says why it gives up and kills it (no thread of this process could)."""
+    limit = 10 * timeout()
+    who = _who_before_init()
+    hosts = os.environ.get("MLX_HOSTFILE", "unset")
+    waiting = f"{who}: waiting for the other ranks of the group to start (MLX_HOSTFILE {hosts})"
+    gave_up = (
+        f"{who}: the group did not form within {limit:g} s: start every rank of the hostfile "
+        "(`mlx.launch` does) and check that they reach each other (10x CHATML_SHARD_TIMEOUT "
+        "sets the limit); ending this rank"
+    )
+    watch = subprocess.Popen(
+        [sys.executable, "-I", str(Path(__file__).with_name("join_watch.py")), str(os.getpid()),
+         str(min(JOIN_NOTICE_S, limit)), str(limit), waiting, gave_up],
+        stdin=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        return mx.distributed.init()
+    finally:
+        watch.stdin.close()  # joined (or failed): the watch ends
+        watch.wait()
+
+
+def _who_before_init() -> str:
+    rank = os.environ.get("MLX_RANK")
+    return f"chatml shard rank {rank}" if rank is not None else "chatml shard"
+
 
 @functools.cache
 def code_digest() -> str:
@@ -277,7 +314,7 @@ def connect(ckpt, options: dict) -> Link:
     options, and plan the split. Raises ShardError on every rank when they disagree."""
     if not mx.distributed.is_available():
         raise ShardError("shard='pipeline' needs mlx.distributed, which this MLX build lacks")
-    group = mx.distributed.init()
+    group = join_group()
     if group.size() < 2:
         raise ShardError(
             "shard='pipeline' runs in a launched group of 2 or more processes, and this one is "
