@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from bench.common import child_env, conditions, model_path, save_plot, write_json
+from engine.args import add_speculative_flags, speculative_options
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -180,6 +181,7 @@ def run(args, clients: int, url: str | None = None, eng=None, model: str | None 
         "bench": "server_load",
         "model": args.model,
         "max_batch": args.max_batch if eng is not None else None,
+        "speculative": args.speculative if eng is not None else None,
         "clients": clients,
         "turns": args.turns,
         "max_tokens": args.max_tokens,
@@ -318,6 +320,7 @@ def main() -> None:
                    help="the peer's BLAS: this engine's (default) or mlx-cpu's reference one")  # fmt: skip
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="with --peer: write a PNG plot here")
+    add_speculative_flags(p)  # the in-process server's drafting (`chatml serve --speculative`)
     args = p.parse_args()
     if args.check_reuse and args.url:
         p.error("--check-reuse needs the in-process server (no --url)")
@@ -332,7 +335,7 @@ def main() -> None:
 
         # A registry name is the benchmarks' build of it (no download); a peer loads the same.
         folder = model_path(args.model)
-        eng = engine.load(str(folder), max_batch=args.max_batch)
+        eng = engine.load(str(folder), max_batch=args.max_batch, **speculative_options(args))
     series: dict[str, list[dict]] = {"chatml": []}
     if not args.peer:
         for clients in counts:

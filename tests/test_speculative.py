@@ -517,3 +517,29 @@ def test_a_seeded_sampled_answer_is_the_same_with_drafting_as_without(spec_engin
             assert turn.token_ids == want
         if drafter is not Repeating and not adaptive:
             assert turn.stats.accepted_tokens > 0
+
+
+def test_speculative_rows_verify_in_the_batch_passes_and_answer_as_alone(monkeypatch):
+    """Concurrent speculative requests: their verify rows (the pending token and the drafts)
+    run in the batch's passes beside the other rows, as decode rows do, instead of each
+    verifying alone between passes; every answer is still a fresh prefill's greedy one."""
+    from test_batch import Held, Request, messages
+
+    import engine.runtime.batch as batch_module
+
+    eng = engine.load("tiny", speculative="lookup", num_draft=3, max_batch=4)
+    eng.speculative = Speculation(lambda: Oracle(eng, 0.3), 3, adaptive=False)
+    passes = []
+    real = batch_module.run
+    monkeypatch.setattr(batch_module, "run", lambda model, rows: (
+        passes.append([(row.size, row.partial) for row in rows]) or real(model, rows)))  # fmt: skip
+    held = Held(eng)
+    requests = [Request(eng, messages(60 + i), max_tokens=12) for i in range(3)]
+    held.release()
+    turns = [r.turn() for r in requests]
+    for turn in turns:
+        assert turn.token_ids == fresh_greedy(eng, turn.prompt_ids, 12)[0]
+        assert turn.stats.drafted_tokens > 0
+    shared = [p for p in passes if len(p) >= 2 and any(n > 1 and not part for n, part in p)]
+    assert shared, passes  # verify rows shared passes with other rows
+    eng.close()

@@ -159,7 +159,12 @@ class Batch:
         `caches[0].offset` says how many positions were fed."""
         if model is not self.model:
             raise ValueError("this batch steps another model")
-        steps = decode_steps(caches, logits, sampler, **options)
+        return self.loop(decode_steps(caches, logits, sampler, **options), caches, sampler)
+
+    def loop(self, steps: Generator, caches: list, sampler) -> Iterator:
+        """A decode loop's step coroutine on `caches` (`generate.decode_steps`,
+        `speculative.speculate_steps`) served in this batch's passes (`serve`); on every way
+        out the caches own their arrays and nothing lazy is left (`settle`)."""
         try:
             yield from self.serve(steps)
         finally:

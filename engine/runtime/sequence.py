@@ -164,7 +164,7 @@ class CachedSequence:
                     loop = speculative_decode(
                         engine.model, self.caches, logits, sampler, max_tokens=max_tokens,
                         stop_ids=stop_ids, history=history, drafter=spec.drafter(),
-                        policy=spec.policy, stats=progress.speculation,
+                        policy=spec.policy, stats=progress.speculation, batch=batch,
                     )  # fmt: skip
                 else:
                     run = decode if batch is None else batch.decode

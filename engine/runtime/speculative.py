@@ -22,18 +22,17 @@ growing intervals) when it does not pay.
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import mlx.core as mx
 
-from .generate import decode, settle
+from .generate import decode_steps, run_steps, settle
 from .sampling import Sampler
-from .step import Row, forward, rollback
+from .step import Row, rollback
 
 
 class Drafter(Protocol):
@@ -247,27 +246,37 @@ def speculative_decode(
     drafter: Drafter,
     policy: DraftLength,
     stats: SpeculationStats,
+    batch=None,
 ) -> Iterator[int]:
     """`generate.decode`'s contract, drafting: yields each token (the stop token too, never
     fed); a token at which the consumer stops is not fed; `history` grows in place; on every
-    way out the caches hold every yielded token but the last, evaluated on this thread."""
+    way out the caches hold every yielded token but the last, evaluated on this thread.
+
+    With a `batch.Batch`, its verify rows and plain steps run in the batch's passes with the
+    other rows (yielding `WAIT` while they wait), as `Batch.decode`'s steps do; else at once."""
+    steps = speculate_steps(model, caches, logits, sampler, max_tokens, set(stop_ids), history,
+                            drafter, policy, stats)  # fmt: skip
+    if batch is not None:
+        yield from batch.loop(steps, caches, sampler)
+        return
     try:
-        yield from _speculate(model, caches, logits, sampler, max_tokens, set(stop_ids),
-                              history, drafter, policy, stats)  # fmt: skip
+        yield from run_steps(model, steps)
     finally:
         settle(caches, sampler)
 
 
-def _speculate(model, caches, logits, sampler, max_tokens, stops, history, drafter, policy,
-               stats) -> Iterator[int]:  # fmt: skip
+def speculate_steps(model, caches, logits, sampler, max_tokens, stops, history, drafter,
+                    policy, stats) -> Generator:  # fmt: skip
+    """The speculative loop as a step coroutine (see `generate.decode_steps`): it yields a
+    `Row` when it needs a pass, verify rows included, and each token as it is read."""
     if hasattr(drafter, "bind"):  # a drafter that reads the sequence's caches (MTP)
         drafter.bind(model, caches)
+    start = len(history)
     token = sampler(logits, history).item()
     history.append(token)
     sampler.accept((token,))
-    made = 1
     yield token
-    while token not in stops and made < max_tokens:
+    while token not in stops and (made := len(history) - start) < max_tokens:
         # `token` is read and not fed; every token before it is in the caches.
         room = max_tokens - made
         k = min(policy.next(), room - 1)
@@ -278,19 +287,16 @@ def _speculate(model, caches, logits, sampler, max_tokens, stops, history, draft
         drafts = drafts[:allowed]
         if not drafts:  # the plain loop (pipelined) for a while, or one step
             m = min(room, policy.plain_tokens() if k == 0 else policy.after_empty())
-            ((step_logits, _),) = forward(model, [Row(caches, [token])])
-            with contextlib.closing(decode(
-                model, caches, step_logits[-1], sampler, max_tokens=m, stop_ids=tuple(stops),
-                history=history,
-            )) as plain:  # fmt: skip
-                for token in plain:
-                    made += 1
-                    yield token  # closing `plain` here undoes its step ahead
+            step_logits, _, _ = yield Row(caches, [token])
+            # Closed at one of its tokens, it undoes its step ahead (`decode_steps`).
+            yield from decode_steps(caches, step_logits[-1], sampler, max_tokens=m,
+                                    stop_ids=tuple(stops), history=history)  # fmt: skip
+            token = history[-1]
             policy.record_plain(m, time.perf_counter() - t)
             continue
         k = len(drafts)
-        row = Row(caches, [token, *drafts], logits=k + 1, keep=range(1, k + 1))
-        ((step_logits, mark),) = forward(model, [row])
+        step_logits, mark, _ = yield Row(caches, [token, *drafts], logits=k + 1,
+                                         keep=range(1, k + 1))  # fmt: skip
         accept, fallback = verify(sampler, step_logits, drafts, history)
         n = 0
         while n < k and accept[n]:
@@ -311,7 +317,6 @@ def _speculate(model, caches, logits, sampler, max_tokens, stops, history, draft
         for i, token in enumerate(standing):
             history.append(token)
             sampler.accept((token,))
-            made += 1
             try:
                 yield token
             except GeneratorExit:  # not fed: back to just before this token
