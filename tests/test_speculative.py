@@ -533,13 +533,21 @@ def test_speculative_rows_verify_in_the_batch_passes_and_answer_as_alone(monkeyp
     real = batch_module.run
     monkeypatch.setattr(batch_module, "run", lambda model, rows: (
         passes.append([(row.size, row.partial) for row in rows]) or real(model, rows)))  # fmt: skip
+    sampled = {"temperature": 0.9, "top_k": 20, "seed": 7}
     held = Held(eng)
     requests = [Request(eng, messages(60 + i), max_tokens=12) for i in range(3)]
+    requests.append(Request(eng, messages(63), max_tokens=12, **sampled))
     held.release()
     turns = [r.turn() for r in requests]
-    for turn in turns:
+    for turn in turns[:3]:
         assert turn.token_ids == fresh_greedy(eng, turn.prompt_ids, 12)[0]
         assert turn.stats.drafted_tokens > 0
     shared = [p for p in passes if len(p) >= 2 and any(n > 1 and not part for n, part in p)]
     assert shared, passes  # verify rows shared passes with other rows
     eng.close()
+    # A seed draws what plain decoding alone draws, whatever rows shared the passes.
+    plain = engine.load("tiny", max_batch=1)
+    assert Request(plain, messages(63), max_tokens=12, **sampled).turn().token_ids == (
+        turns[3].token_ids
+    )
+    plain.close()
