@@ -519,7 +519,8 @@ def test_a_seeded_sampled_answer_is_the_same_with_drafting_as_without(spec_engin
             assert turn.stats.accepted_tokens > 0
 
 
-def test_speculative_rows_verify_in_the_batch_passes_and_answer_as_alone(monkeypatch):
+@pytest.mark.parametrize("drafter", ["oracle", "mtp"])
+def test_speculative_rows_verify_in_the_batch_passes_and_answer_as_alone(monkeypatch, drafter):
     """Concurrent speculative requests: their verify rows (the pending token and the drafts)
     run in the batch's passes beside the other rows, as decode rows do, instead of each
     verifying alone between passes; every answer is still a fresh prefill's greedy one."""
@@ -527,8 +528,12 @@ def test_speculative_rows_verify_in_the_batch_passes_and_answer_as_alone(monkeyp
 
     import engine.runtime.batch as batch_module
 
-    eng = engine.load("tiny", speculative="lookup", num_draft=3, max_batch=4)
-    eng.speculative = Speculation(lambda: Oracle(eng, 0.3), 3, adaptive=False)
+    if drafter == "oracle":
+        eng = engine.load("tiny", speculative="lookup", num_draft=3, max_batch=4)
+        eng.speculative = Speculation(lambda: Oracle(eng, 0.3), 3, adaptive=False)
+    else:  # the MTP head reads each row's hidden states out of the packed pass
+        eng = engine.load("tiny", speculative="mtp", num_draft=3, max_batch=4)
+        eng.speculative = Speculation(eng.speculative.drafter, 3, adaptive=False)
     passes = []
     real = batch_module.run
     monkeypatch.setattr(batch_module, "run", lambda model, rows: (
