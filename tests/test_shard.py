@@ -405,6 +405,29 @@ def test_a_rank_started_by_hand_whose_peer_never_comes_says_so_and_exits(tiny, t
     assert "chatml shard rank 0: the group did not form within 6 s" in run.stderr
 
 
+def test_ctrl_c_ends_a_rank_still_waiting_for_its_group(tiny, tmp_path):
+    # MLX's join holds the GIL: the rank's own SIGINT handler never runs, and a Ctrl+C did
+    # nothing. The terminal sends it to the whole process group, the watch process included.
+    env = {**os.environ, "MLX_HOSTFILE": str(_hostfile(tmp_path)), "MLX_RANK": "0",
+           "PYTHONPATH": str(REPO), "CHATML_SHARD_TIMEOUT": "30"}  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "chat", "--model", "tiny", "-p", "Hi",
+         "--shard", "pipeline"],
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,  # its own process group, as a terminal gives it
+    )  # fmt: skip
+    try:
+        line = proc.stderr.readline()  # after JOIN_NOTICE_S: both processes are up
+        assert "waiting for the other ranks of the group to start" in line, line
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=WAIT)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL, stderr[-3000:]
+    assert "chatml shard rank 0: interrupted while waiting for the other ranks" in stderr
+    assert "Traceback" not in stderr, stderr[-3000:]
+
+
 def test_each_rank_loads_only_its_tensors(tiny):
     from types import SimpleNamespace
 

@@ -268,7 +268,8 @@ def join_group() -> mx.distributed.Group:
     MLX's ring backend waits for every rank of the hostfile to connect, forever and silently,
     holding the GIL: a rank started by hand whose peer never comes would hang with no word.
     A watch process (`join_watch.py`) says what the rank waits for after a few seconds, and
-    past the bound says why it gives up and kills it (no thread of this process could)."""
+    past the bound (or at a Ctrl+C) says why it gives up and kills it (no thread of this
+    process could)."""
     limit = 10 * timeout()
     who = _who_before_init()
     hosts = os.environ.get("MLX_HOSTFILE", "unset")
@@ -278,9 +279,10 @@ def join_group() -> mx.distributed.Group:
         "(`mlx.launch` does) and check that they reach each other (10x CHATML_SHARD_TIMEOUT "
         "sets the limit); ending this rank"
     )
+    interrupted = f"{who}: interrupted while waiting for the other ranks; ending this rank"
     watch = subprocess.Popen(
         [sys.executable, "-I", str(Path(__file__).with_name("join_watch.py")), str(os.getpid()),
-         str(min(JOIN_NOTICE_S, limit)), str(limit), waiting, gave_up],
+         str(min(JOIN_NOTICE_S, limit)), str(limit), waiting, gave_up, interrupted],
         stdin=subprocess.PIPE,
     )  # fmt: skip
     try:
