@@ -22,8 +22,11 @@ def main() -> None:
     def joined(timeout: float) -> bool:
         return bool(select.select([sys.stdin], [], [], timeout)[0])
 
+    def say(message: str) -> None:  # unbuffered: a Ctrl+C may come mid-notice
+        os.write(sys.stderr.fileno(), (message + "\n").encode())
+
     def end(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+        say(message)
         os.kill(pid, signal.SIGKILL)
 
     def on_ctrl_c(signum, frame) -> None:
@@ -32,9 +35,10 @@ def main() -> None:
         os._exit(0)
 
     signal.signal(signal.SIGINT, on_ctrl_c)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked until now (see shard)
     if joined(notice_s):
         return
-    print(waiting, file=sys.stderr, flush=True)
+    say(waiting)
     if joined(max(0.0, limit_s - notice_s)):
         return
     end(gave_up)

@@ -280,11 +280,18 @@ def join_group() -> mx.distributed.Group:
         "sets the limit); ending this rank"
     )
     interrupted = f"{who}: interrupted while waiting for the other ranks; ending this rank"
-    watch = subprocess.Popen(
-        [sys.executable, "-I", str(Path(__file__).with_name("join_watch.py")), str(os.getpid()),
-         str(min(JOIN_NOTICE_S, limit)), str(limit), waiting, gave_up, interrupted],
-        stdin=subprocess.PIPE,
-    )  # fmt: skip
+    # Started with SIGINT blocked (the mask is inherited): a Ctrl+C before its handler is in
+    # place waits for it rather than killing the watch, which would leave the join unbounded.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        watch = subprocess.Popen(
+            [sys.executable, "-I", str(Path(__file__).with_name("join_watch.py")),
+             str(os.getpid()), str(min(JOIN_NOTICE_S, limit)), str(limit), waiting, gave_up,
+             interrupted],
+            stdin=subprocess.PIPE,
+        )  # fmt: skip
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     try:
         return mx.distributed.init()
     finally:
