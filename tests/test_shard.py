@@ -428,6 +428,22 @@ def test_ctrl_c_ends_a_rank_still_waiting_for_its_group(tiny, tmp_path):
     assert "Traceback" not in stderr, stderr[-3000:]
 
 
+def test_a_join_whose_watch_cannot_start_goes_on_unwatched(monkeypatch, capsys):
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)  # alone: init returns at once
+    monkeypatch.delenv("MLX_RANK", raising=False)
+
+    def refuse(*args, **kwargs):
+        raise OSError(8, "Exec format error")
+
+    monkeypatch.setattr(shard.subprocess, "Popen", refuse)
+    shard.join_group.cache_clear()
+    try:
+        assert shard.join_group().size() == 1
+    finally:
+        shard.join_group.cache_clear()
+    assert "joining without a time limit (the watch did not start" in capsys.readouterr().err
+
+
 def test_each_rank_loads_only_its_tensors(tiny):
     from types import SimpleNamespace
 
