@@ -2,8 +2,9 @@
 
 Each generation runs its own prefill and decode loops (`generate.prefill_steps` and
 `decode_steps`, the loops every caller shares), as a task on the engine's model thread
-(`worker.py`). When a loop needs a pass (a prefill chunk, a decode step) it files its row
-here and its task yields `WAIT`; once every task has had its turn, the worker runs
+(`worker.py`); a speculative answer's loop (`speculative.speculate_steps`) too. When a loop
+needs a pass (a prefill chunk, a decode step, a verify of drafts) it files its row here and
+its task yields `WAIT`; once every task has had its turn, the worker runs
 `Batch.step`: one forward pass for all the rows filed (`step.forward` stacks rows that each
 decode one token, and packs any other mix end to end), and each loop takes its logits and
 goes on. Rows join the moment their prompt is in and leave when they finish, without waiting

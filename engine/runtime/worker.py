@@ -41,7 +41,7 @@ from kernels import subnormals
 DEFAULT_MAX_TASKS = 8  # generations interleaved at once (the batch width they can reach)
 # Items a task may hand over in one turn before the others get theirs: a token brings at most
 # a few (its text, logprobs, the first-token notice); a generator that yields items without
-# WAITs (speculative decoding, whose every verify pass is one) lets the others in this often.
+# WAITs (one that runs its passes itself) lets the others in this often.
 ITEMS_PER_TURN = 4
 # How long a batched step waits for the rows of generations whose consumers (other threads,
 # one item at a time: `iterate`) are taking their last item: a thread that holds the GIL can
