@@ -131,6 +131,13 @@ def decode(
     """
     steps = decode_steps(caches, logits, sampler, max_tokens=max_tokens, stop_ids=stop_ids,
                          history=history)  # fmt: skip
+    return run_loop(model, steps, caches, sampler)
+
+
+def run_loop(model, steps: Generator, caches: list, sampler) -> Iterator[int]:
+    """A decode loop's step coroutine on `caches` (`decode_steps`,
+    `speculative.speculate_steps`) run at once, alone (`run_steps`); on every way out nothing
+    lazy is left (`settle`). `batch.Batch.loop` is its batched twin."""
     try:
         yield from run_steps(model, steps)
     finally:

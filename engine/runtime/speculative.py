@@ -30,7 +30,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from .generate import decode_steps, run_steps, settle
+from .generate import decode_steps, run_loop
 from .sampling import Sampler
 from .step import Row, rollback
 
@@ -257,12 +257,8 @@ def speculative_decode(
     steps = speculate_steps(model, caches, logits, sampler, max_tokens, set(stop_ids), history,
                             drafter, policy, stats)  # fmt: skip
     if batch is not None:
-        yield from batch.loop(steps, caches, sampler)
-        return
-    try:
-        yield from run_steps(model, steps)
-    finally:
-        settle(caches, sampler)
+        return batch.loop(steps, caches, sampler)
+    return run_loop(model, steps, caches, sampler)
 
 
 def speculate_steps(model, caches, logits, sampler, max_tokens, stops, history, drafter,
