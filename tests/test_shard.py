@@ -423,8 +423,13 @@ def test_ctrl_c_ends_a_rank_still_waiting_for_its_group(tiny, tmp_path):
         _, stderr = proc.communicate(timeout=WAIT)
     finally:
         proc.kill()
-    assert proc.returncode == -signal.SIGKILL, stderr[-3000:]
-    assert "chatml shard rank 0: interrupted while waiting for the other ranks" in stderr
+    # Two ways out, by a race: the watch ends the rank (it says so), or the signal breaks one
+    # of MLX's socket calls first and the rank stops as at any Ctrl+C (exit 130). Either way
+    # it ends now, not after the join's limit, and without a traceback.
+    if proc.returncode == -signal.SIGKILL:
+        assert "chatml shard rank 0: interrupted while waiting for the other ranks" in stderr
+    else:
+        assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
 
 
