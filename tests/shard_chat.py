@@ -6,7 +6,8 @@ OUT.json (per turn: tokens, counts, logprobs) and OUT.npz (the logits of fresh p
 other ranks serve it and exit.
 
 `--pause` streams one long answer instead, printing ANSWERING after its first piece and
-waiting for a line on stdin before reading on (the tests kill or stop a rank there); `--drop`
+waiting for a line on stdin (the tests kill or stop a rank there), then reading 32 pieces more
+(each a step through every rank) before it stops the answer; `--drop`
 answers once, lets the engine be collected, prints DROPPED and waits for a line.
 `--save HOME` chats in a persisted session under HOME, with a disk tier in HOME/disk;
 `--resume HOME` resumes it there (see `persist`); `--forks` runs `forks`.
@@ -255,6 +256,8 @@ def pause(eng) -> None:
         if i == 0:
             print("ANSWERING", flush=True)
             sys.stdin.readline()
+        elif i == 32:
+            break  # the rest of the answer would only take time
     print("FINISHED", flush=True)
 
 
