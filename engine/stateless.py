@@ -24,7 +24,7 @@ from renderer import Prompt, PromptTooLong, SegmentCache, build_prompt, split_co
 from .checkpoints.tokenizer import StreamDecoder
 from .constraints import GrammarError, check_constraint, constraint_spec, make_sampler
 from .runtime.batch import WAIT
-from .runtime.pool import DEFAULT_SEQUENCES, PooledSequence, SequencePool
+from .runtime.pool import DEFAULT_SEQUENCES, PooledSequence, SequencePool, grid_points
 from .runtime.sequence import Progress
 from .runtime.worker import Job, WorkerStopped
 from .serving.completion import (
@@ -338,11 +338,14 @@ def snapshot_points(prompt: Prompt) -> set[int]:
     tool loop). Boundaries of older messages were snapshotted when each was the latest; met
     again only when a re-prefill passes them (after the client dropped an exchange, or a
     conversation's first request), where each costs tens of ms (BENCHMARKS.md) and the next
-    slide makes it unreachable: those are skipped, and a branch there reuses the system block."""
+    slide makes it unreachable: those are skipped, and a branch there reuses the system block.
+    Past the last user message's start, a long stretch also snapshots on a grid
+    (`pool.grid_points`): the next question on a pasted document resumes near the fork."""
     users = [i for i, m in enumerate(prompt.messages) if m.get("role") == "user"]
     starts = prompt.boundaries.message_starts  # empty for a raw prompt (completions endpoint)
     first = starts[users[-1]] if users else starts[-1] if starts else 0
-    return prompt.boundaries.resume_points(first)
+    end = prompt.boundaries.generation_start or len(prompt.ids)
+    return prompt.boundaries.resume_points(first) | grid_points(first, end)
 
 
 def openai_message(turn: Turn) -> Message:

@@ -14,7 +14,7 @@ import pytest
 from helpers import CALL, QUESTIONS, RESULT, TOOLS, fresh_greedy
 
 import engine
-from engine.runtime.pool import BRANCH_MIN
+from engine.runtime.pool import BRANCH_MIN, GRID, GRID_POINTS
 from engine.serving.completion import parse_request
 from engine.serving.server import BackgroundServer, ServerConfig
 
@@ -177,10 +177,11 @@ def test_prompts_sharing_a_document_snapshot_where_they_fork_and_a_third_resumes
     """Requests that paste the same document with different questions fork inside the user
     message, where no boundary lies. The second prefills everything after the system block and
     leaves a snapshot at the fork (`pool.BRANCH_MIN` tokens or more past the last one); a third
-    resumes there. Answers equal a fresh prefill."""
+    resumes there. Answers equal a fresh prefill. (The document is shorter than the grid of
+    snapshots that a longer one gets: see the next test.)"""
     eng = engine.load("tiny")
     system = {"role": "system", "content": "Answer from the document."}
-    document = " ".join(f"Clause {k}: the tenant keeps garden {k} tidy." for k in range(20))
+    document = " ".join(f"Clause {k}: the tenant keeps garden {k} tidy." for k in range(16))
     turns = []
     for question in ("What does clause 3 say?", "Who keeps the gardens?", "Is it tidy?"):
         messages = [system, {"role": "user", "content": f"{document}\n\n{question}"}]
@@ -192,9 +193,34 @@ def test_prompts_sharing_a_document_snapshot_where_they_fork_and_a_third_resumes
     request = parse_request({"messages": [system, {"role": "user", "content": "?"}]})
     system_end = eng.stateless.renderer.render(request).boundaries.system_end
     assert turns[1].stats.reused_tokens == system_end
-    assert fork - system_end >= BRANCH_MIN
+    assert BRANCH_MIN <= fork - system_end < GRID
     assert third[:fork] == first[:fork] and third[fork] not in (first[fork], second[fork])
     assert turns[2].stats.reused_tokens == fork
+
+
+def test_a_question_on_a_long_document_resumes_on_the_grid_near_the_fork():
+    """A pasted document longer than the grid (`pool.GRID`): the first request snapshots
+    inside its message every GRID tokens (the last `GRID_POINTS` points, no more), so the
+    second question on the same document resumes at the grid point below the fork, not after
+    the system block. Answers equal a fresh prefill."""
+    eng = engine.load("tiny")
+    system = {"role": "system", "content": "Answer from the document."}
+    document = " ".join(f"Clause {k}: the tenant keeps garden {k} tidy." for k in range(150))
+    turns = []
+    for question in ("What does clause 3 say?", "Who keeps the gardens?"):
+        messages = [system, {"role": "user", "content": f"{document}\n\n{question}"}]
+        turns.append(eng.chat(messages, max_tokens=MAX_TOKENS, warm=False))
+        assert turns[-1].token_ids == fresh_greedy(eng, turns[-1].prompt_ids, MAX_TOKENS)[0]
+    first, second = (t.prompt_ids for t in turns)
+    fork = max(n for n in range(len(second)) if first[:n] == second[:n])
+    request = parse_request({"messages": [system, {"role": "user", "content": "?"}]})
+    message = eng.stateless.renderer.render(request).boundaries.system_end  # the user's start
+    assert fork - message > (GRID_POINTS + 1) * GRID  # more grid than the points kept
+    grid = {message + GRID * i for i in range(1, (fork - message) // GRID + 1)}
+    kept = {p for s in eng.stateless.pool.sequences for p in s.snapshots} & grid
+    assert len(kept) == GRID_POINTS and min(kept) == max(grid) - GRID * (GRID_POINTS - 1)
+    assert turns[1].stats.reused_tokens == max(grid) > fork - GRID
+    eng.close()
 
 
 def test_the_engine_byte_budget_holds_for_the_pool():
