@@ -17,7 +17,7 @@ from .cache import KVCache, MTPCache
 from .generate import eval_caches
 from .sequence import CachedSequence, common_prefix
 from .shard import RemoteKVCache
-from .snapshot import tick
+from .snapshot import held_bytes, tick
 
 # Conversations kept resumable. The byte budget is what bounds their memory (it evicts the
 # least recently used snapshots and idle live caches first); this only caps the slots. Fewer
@@ -67,8 +67,7 @@ def fork(src: CachedSequence, pos: int, dst: CachedSequence) -> None:
 
     The KV rows below `pos` are copied out of `src`'s buffer (still valid: `src` has not rewound
     below its snapshots); recurrent layers take the snapshot's immutable arrays by reference.
-    `dst` shares `src`'s snapshots at or below `pos`, so the budget counts them twice: it errs
-    on the safe side.
+    `dst` shares `src`'s snapshots at or below `pos` (the budget counts each once).
     """
     if pos == len(src.tokens) and not src.busy:
         layers = [c.snapshot() for c in src.caches]
@@ -193,4 +192,4 @@ class SequencePool:
 
     @property
     def cache_bytes(self) -> int:
-        return sum(s.cache_bytes for s in self.sequences)
+        return held_bytes(self.sequences)

@@ -59,6 +59,13 @@ def default_budget() -> int:
     return memory.default_budget(0, memory.device_memory())
 
 
+def held_bytes(sequences) -> int:
+    """What `sequences` hold: their live caches, and each snapshot once however many of them
+    share it (a forked sequence shares the snapshots below its fork: `pool.fork`)."""
+    snapshots = {id(snap): snap for s in sequences for snap in s.snapshots.values()}
+    return sum(s.live_bytes for s in sequences) + sum(s.nbytes for s in snapshots.values())
+
+
 class CacheBudget:
     """Engine-wide LRU over every sequence's snapshots and live caches, bounded in bytes.
 
@@ -89,7 +96,7 @@ class CacheBudget:
             return list(self._sequences)
 
     def used(self) -> int:
-        return sum(s.cache_bytes for s in self._all())
+        return held_bytes(self._all())
 
     def enforce(self, active=None) -> None:
         used = self.used()
@@ -105,8 +112,8 @@ class CacheBudget:
             if self.spill is not None:
                 self.spill(seq, pos)
             if pos is None:
-                used -= seq.cache_bytes
                 seq.drop_cache()
             else:
-                used -= seq.snapshots.pop(pos).nbytes
+                del seq.snapshots[pos]
+            used = self.used()  # a snapshot another sequence shares still holds its bytes
             self.evictions += 1
