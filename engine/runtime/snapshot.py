@@ -60,10 +60,26 @@ def default_budget() -> int:
 
 
 def held_bytes(sequences) -> int:
-    """What `sequences` hold: their live caches, and each snapshot once however many of them
-    share it (a forked sequence shares the snapshots below its fork: `pool.fork`)."""
-    snapshots = {id(snap): snap for s in sequences for snap in s.snapshots.values()}
-    return sum(s.live_bytes for s in sequences) + sum(s.nbytes for s in snapshots.values())
+    """What `sequences` hold: their KV caches, and each recurrent array once however many
+    hold it: a snapshot shares its arrays with the live cache it was taken from (at the live
+    end) or restored into, and forked sequences share the snapshots below the fork
+    (`pool.fork`)."""
+    total, arrays = 0, {}
+
+    def share(layer) -> int:  # a recurrent layer's (conv, state, pos): MTP's (ids, state, pos)
+        held = [a for a in layer[:2] if a is not None]
+        arrays.update((id(a), a) for a in held)
+        return sum(a.nbytes for a in held)
+
+    for s in sequences:
+        for c in s.caches:
+            # A recurrent cache's own bytes beyond the shareable arrays: the MTP head's KV rows
+            total += c.nbytes - share(c.snapshot()) if isinstance(c, RecurrentCache) else c.nbytes
+        for snap in s.snapshots.values():
+            for layer in snap.layers:
+                if layer is not None:
+                    share(layer)
+    return total + sum(a.nbytes for a in arrays.values())
 
 
 class CacheBudget:
@@ -112,8 +128,10 @@ class CacheBudget:
             if self.spill is not None:
                 self.spill(seq, pos)
             if pos is None:
+                used -= seq.cache_bytes
                 seq.drop_cache()
             else:
-                del seq.snapshots[pos]
-            used = self.used()  # a snapshot another sequence shares still holds its bytes
+                used -= seq.snapshots.pop(pos).nbytes
             self.evictions += 1
+            if used <= self.max_bytes:  # counted as if unshared: what another holder shares
+                used = self.used()  # is not freed yet, so count exactly before stopping
