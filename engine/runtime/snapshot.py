@@ -60,26 +60,30 @@ def default_budget() -> int:
 
 
 def held_bytes(sequences) -> int:
-    """What `sequences` hold: their KV caches, and each recurrent array once however many
-    hold it: a snapshot shares its arrays with the live cache it was taken from (at the live
-    end) or restored into, and forked sequences share the snapshots below the fork
-    (`pool.fork`)."""
-    total, arrays = 0, {}
-
-    def share(layer) -> int:  # a recurrent layer's (conv, state, pos): MTP's (ids, state, pos)
-        held = [a for a in layer[:2] if a is not None]
-        arrays.update((id(a), a) for a in held)
-        return sum(a.nbytes for a in held)
-
+    """What `sequences` hold, each snapshot counted once: forked sequences share the snapshots
+    below the fork (`pool.fork`), and a live cache restored to a snapshot, or at the snapshot
+    taken at its end, holds that snapshot's arrays until it moves on."""
+    total, counted = 0, set()
     for s in sequences:
-        for c in s.caches:
-            # A recurrent cache's own bytes beyond the shareable arrays: the MTP head's KV rows
-            total += c.nbytes - share(c.snapshot()) if isinstance(c, RecurrentCache) else c.nbytes
+        total += s.live_bytes
+        end = s.snapshots.get(len(s.tokens))
+        if end is not None and _shares_live(s.caches, end):
+            counted.add(id(end))
+    for s in sequences:
         for snap in s.snapshots.values():
-            for layer in snap.layers:
-                if layer is not None:
-                    share(layer)
-    return total + sum(a.nbytes for a in arrays.values())
+            if id(snap) not in counted:
+                counted.add(id(snap))
+                total += snap.nbytes
+    return total
+
+
+def _shares_live(caches: list, snap: Snapshot) -> bool:
+    """Whether the live recurrent caches hold `snap`'s arrays (one layer tells: they are
+    restored and updated together)."""
+    for c, layer in zip(caches, snap.layers):
+        if layer is not None:
+            return isinstance(c, RecurrentCache) and c.snapshot()[1] is layer[1]
+    return False
 
 
 class CacheBudget:
