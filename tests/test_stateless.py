@@ -87,10 +87,16 @@ def test_ten_turns_resent_in_full_equal_server_session_and_fresh_prefill(variant
 
 def snapshot_points(prompt) -> set[int]:
     """The contract `engine.stateless.snapshot_points` implements, restated from the prompt's
-    boundaries: the system block's end and every boundary from the last user message on."""
+    boundaries: the system block's end, every boundary from the last user message on, and
+    the last `GRID_POINTS` of every `GRID` tokens from that message's start to the answer's."""
     users = [i for i, m in enumerate(prompt.messages) if m["role"] == "user"]
     first = prompt.boundaries.message_starts[users[-1]]
-    return {prompt.boundaries.system_end} | {p for p in prompt.boundaries.points() if p >= first}
+    grid = list(range(first + GRID, prompt.boundaries.generation_start, GRID))[-GRID_POINTS:]
+    return (
+        {prompt.boundaries.system_end}
+        | {p for p in prompt.boundaries.points() if p >= first}
+        | set(grid)
+    )
 
 
 def test_interleaved_conversations_and_a_branch_reuse_what_they_share_and_no_more():
