@@ -16,7 +16,7 @@ from helpers import SERVER_WINDOW, fresh_greedy
 from helpers import openai_client as client
 
 from engine.runtime.batch import WAIT
-from engine.runtime.pool import BRANCH_MIN
+from engine.runtime.pool import BRANCH_MIN, GRID
 from engine.serving.text_completion import LOGPROB_CHUNK, prompt_logprobs
 
 WINDOW = SERVER_WINDOW
@@ -149,6 +149,21 @@ def test_few_shot_prompts_resume_at_their_fork_from_the_third_on(tiny, server):
         expected, _ = fresh_greedy(tiny, ids, 5)
         assert r.choices[0].text == tiny.tokenizer.decode(expected)
     assert cached[:2] == [0, 0] and cached[2:] == [len(shots), len(shots)]
+
+
+def test_a_long_raw_prompt_snapshots_on_the_grid_and_the_second_resumes_on_it(tiny, server):
+    """A raw prompt has no boundaries past position 0: one longer than the grid (`pool.GRID`)
+    snapshots every GRID tokens from there, so the second prompt that shares most of it
+    resumes at the grid point below the fork, not from scratch."""
+    c = client(server)
+    rng = np.random.default_rng(11)
+    shared = [int(i) for i in rng.integers(100, 5000, 2 * GRID + 40)]
+    for _ in range(2):  # two prompts, each with a question of its own
+        ids = shared + [int(i) for i in rng.integers(5000, 9000, 6)]
+        r = complete(c, ids)
+        expected, _ = fresh_greedy(tiny, ids, 5)
+        assert r.choices[0].text == tiny.tokenizer.decode(expected)
+    assert r.usage.prompt_tokens_details.cached_tokens == 2 * GRID
 
 
 def test_a_string_prompt_that_cannot_fit_is_refused_before_tokenizing(tiny, server, monkeypatch):
