@@ -339,13 +339,17 @@ def snapshot_points(prompt: Prompt) -> set[int]:
     again only when a re-prefill passes them (after the client dropped an exchange, or a
     conversation's first request), where each costs tens of ms (BENCHMARKS.md) and the next
     slide makes it unreachable: those are skipped, and a branch there reuses the system block.
-    Past the last user message's start, a long stretch also snapshots on a grid
-    (`pool.grid_points`): the next question on a pasted document resumes near the fork."""
+    A long system block and a long stretch past the last user message's start also snapshot
+    on a grid (`pool.grid_points`; met again only below the reused prefix, so taken once):
+    the next question on a pasted document, or the next conversation whose long system
+    prompt (tools, instructions) differs only near its end (a date, a folder), resumes near
+    the fork."""
+    b = prompt.boundaries
     users = [i for i, m in enumerate(prompt.messages) if m.get("role") == "user"]
-    starts = prompt.boundaries.message_starts  # empty for a raw prompt (completions endpoint)
+    starts = b.message_starts  # empty for a raw prompt (completions endpoint)
     first = starts[users[-1]] if users else starts[-1] if starts else 0
-    end = prompt.boundaries.generation_start or len(prompt.ids)
-    return prompt.boundaries.resume_points(first) | grid_points(first, end)
+    end = b.generation_start or len(prompt.ids)
+    return b.resume_points(first) | grid_points(0, b.system_end) | grid_points(first, end)
 
 
 def openai_message(turn: Turn) -> Message:

@@ -88,15 +88,14 @@ def test_ten_turns_resent_in_full_equal_server_session_and_fresh_prefill(variant
 def snapshot_points(prompt) -> set[int]:
     """The contract `engine.stateless.snapshot_points` implements, restated from the prompt's
     boundaries: the system block's end, every boundary from the last user message on, and
-    the last `GRID_POINTS` of every `GRID` tokens from that message's start to the answer's."""
+    the last `GRID_POINTS` of every `GRID` tokens inside the system block and from that
+    message's start to the answer's."""
+    b = prompt.boundaries
     users = [i for i, m in enumerate(prompt.messages) if m["role"] == "user"]
-    first = prompt.boundaries.message_starts[users[-1]]
-    grid = list(range(first + GRID, prompt.boundaries.generation_start, GRID))[-GRID_POINTS:]
-    return (
-        {prompt.boundaries.system_end}
-        | {p for p in prompt.boundaries.points() if p >= first}
-        | set(grid)
-    )
+    first = b.message_starts[users[-1]]
+    grid = list(range(first + GRID, b.generation_start, GRID))[-GRID_POINTS:]
+    grid += list(range(GRID, b.system_end, GRID))[-GRID_POINTS:]
+    return {b.system_end} | {p for p in b.points() if p >= first} | set(grid)
 
 
 def test_interleaved_conversations_and_a_branch_reuse_what_they_share_and_no_more():
@@ -226,6 +225,25 @@ def test_a_question_on_a_long_document_resumes_on_the_grid_near_the_fork():
     kept = {p for s in eng.stateless.pool.sequences for p in s.snapshots} & grid
     assert len(kept) == GRID_POINTS and min(kept) == max(grid) - GRID * (GRID_POINTS - 1)
     assert turns[1].stats.reused_tokens == max(grid) > fork - GRID
+    eng.close()
+
+
+def test_a_long_system_prompt_that_differs_near_its_end_resumes_on_its_grid():
+    """Conversations whose long system prompt (instructions, tools) differs only in its last
+    line (a date): the first snapshots inside the system block on the grid, so the second
+    resumes at the grid point below the fork instead of prefilling from scratch."""
+    eng = engine.load("tiny")
+    rules = " ".join(f"Rule {k}: answer politely and cite clause {k}." for k in range(80))
+    turns = []
+    for day in (7, 8):
+        system = {"role": "system", "content": f"{rules}\nToday is December {day}."}
+        messages = [system, {"role": "user", "content": QUESTIONS[0]}]
+        turns.append(eng.chat(messages, max_tokens=MAX_TOKENS, warm=False))
+        assert turns[-1].token_ids == fresh_greedy(eng, turns[-1].prompt_ids, MAX_TOKENS)[0]
+    first, second = (t.prompt_ids for t in turns)
+    fork = max(n for n in range(len(second)) if first[:n] == second[:n])
+    assert fork > 2 * GRID
+    assert turns[1].stats.reused_tokens == fork // GRID * GRID
     eng.close()
 
 

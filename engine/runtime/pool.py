@@ -31,11 +31,12 @@ DEFAULT_SEQUENCES = 32
 # spares costs more from a few dozen tokens on (BENCHMARKS.md, "Prefill").
 BRANCH_MIN = 64
 
-# Inside a long new message (a pasted document), a request also snapshots every `GRID` tokens
-# of it, the last `GRID_POINTS` of those points before its end (`grid_points`): the second
-# prompt that forks inside the message (another question on the document, an edit of the
-# question under it) resumes at most `GRID` tokens before the fork instead of prefilling the
-# whole message. Each point costs a snapshot's bytes under the budget (the recurrent state:
+# Inside a long new message (a pasted document) or system block, a request also snapshots
+# every `GRID` tokens of it, the last `GRID_POINTS` of those points before its end
+# (`grid_points`, `stateless.snapshot_points`): the second prompt that forks inside it
+# (another question on the document, an edit of the question under it, a system prompt with
+# another date at its end) resumes at most `GRID` tokens before the fork instead of
+# prefilling all of it. Each point costs a snapshot's bytes under the budget (the recurrent state:
 # ~19 MB on the 0.8B) and a few ms; the points closest to the end are the ones a question
 # after the document forks past.
 GRID = 256
