@@ -1,5 +1,10 @@
+"""The session-37 run behind BENCHMARKS "A long system block gets the grid too" (kept as run):
+`env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/results/system-grid-qwen3.5-0.8b-session37.py`
+from the repository root. Three conversations whose 1300-token system prompt differs only in
+its last line, with the system block's grid off (`stateless.grid_points` patched to skip
+position 0) and on, alternating on one engine; prints time to first token / tokens reused."""
+
 import engine
-from engine.runtime import pool
 from engine import stateless
 from bench.common import model_path
 eng = engine.load(str(model_path("qwen3.5-0.8b")))
