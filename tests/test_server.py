@@ -6,6 +6,7 @@ no cache, no snapshots and no server (`fresh_answer`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import signal
@@ -24,7 +25,7 @@ from helpers import openai_client as client
 from engine.checkpoints.tokenizer import StreamDecoder
 from engine.runtime.generate import decode, prefill
 from engine.runtime.sampling import Sampler, SamplingParams
-from engine.serving.completion import OutputText, Renderer, parse_request
+from engine.serving.completion import MAX_CHOICES, OutputText, Renderer, parse_request
 from engine.serving.server import BackgroundServer, ServerApp, ServerConfig
 
 WINDOW = SERVER_WINDOW  # a small context window keeps the too-long-prompt check cheap
@@ -41,15 +42,17 @@ def prompt_of(engine, messages: list, **body):
     return Renderer(engine).render(parse_request({"messages": messages, **body}))
 
 
-def fresh_answer(engine, messages: list, max_tokens: int = MAX_TOKENS, **body) -> str:
-    """Greedy answer from a full prefill on empty caches (no snapshots, no reuse)."""
+def fresh_answer(engine, messages: list, max_tokens: int = MAX_TOKENS,
+                 params: SamplingParams | None = None, **body) -> str:  # fmt: skip
+    """The answer from a full prefill on empty caches (no snapshots, no reuse): greedy, or
+    sampled with `params`."""
     prompt = prompt_of(engine, messages, **body)
     with engine.lock:  # the server's model thread may be between jobs: one user at a time
         caches = engine.model.make_caches()
         logits, _ = prefill(engine.model, caches, prompt.ids, 0)
         detok, raw = StreamDecoder(engine.tokenizer), ""
         for token in decode(
-            engine.model, caches, logits, Sampler(SamplingParams()),
+            engine.model, caches, logits, Sampler(params or SamplingParams()),
             max_tokens=max_tokens, stop_ids=engine.stop_ids, history=list(prompt.ids),
         ):  # fmt: skip
             if token in engine.stop_ids:
@@ -202,6 +205,49 @@ def test_stream_equals_non_stream_and_reports_usage(tiny, server):
     assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt, just sent
 
 
+def test_n_choices_are_the_seeded_answers_and_prefill_the_prompt_once(tiny, server, monkeypatch):
+    # n choices: choice i is the answer sampled with seed + i (a fresh prefill and decode on
+    # empty caches is the reference), the prompt is prefilled once, and usage counts it once.
+    import engine.stateless as stateless
+
+    turns = []  # every answer the model thread finishes, in order
+    make = stateless.make_turn
+    monkeypatch.setattr(stateless, "make_turn",
+                        lambda *a, **k: turns.append(make(*a, **k)) or turns[-1])  # fmt: skip
+    c = client(server)
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "Tell me about n choices, sampled three ways."}]  # fmt: skip
+    body = {"temperature": 1.0, "seed": 41, "max_tokens": 8}
+    r = ask(c, messages, n=3, **body)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    params = parse_request({"messages": messages, **body, "presence_penalty": 0},
+                           tiny.sampling_defaults).params  # fmt: skip
+    for i, ch in enumerate(r.choices):
+        seeded = dataclasses.replace(params, seed=41 + i)
+        assert ch.message.content == fresh_answer(tiny, messages, 8, seeded), i
+    assert len({ch.message.content for ch in r.choices}) == 3  # distinct samples
+    prompt = prompt_of(tiny, messages)
+    assert r.usage.prompt_tokens == len(prompt.ids)
+    assert r.usage.completion_tokens == sum(t.stats.generated_tokens for t in turns) == 24
+    prefilled = sorted(t.stats.prefilled_tokens for t in turns)
+    assert prefilled[-1] == len(prompt.ids) - r.usage.prompt_tokens_details.cached_tokens
+    # the others resume at the first one's snapshot at the generation start: only the header
+    # after it (the empty think block) is prefilled again
+    assert prefilled[:2] == [len(prompt.ids) - prompt.boundaries.generation_start] * 2
+
+    # Streamed: each choice's deltas add up to its answer; usage once, at the end.
+    pieces, finish, usage = {}, {}, None
+    for chunk in ask(c, messages, n=2, stream=True, stream_options={"include_usage": True},
+                     **body):  # fmt: skip
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            pieces[ch.index] = pieces.get(ch.index, "") + (ch.delta.content or "")
+            finish[ch.index] = ch.finish_reason or finish.get(ch.index)
+    assert pieces == {i: r.choices[i].message.content for i in range(2)}
+    assert finish == {0: "length", 1: "length"}
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt.ids), 16)
+
+
 def test_thinking_is_returned_as_reasoning_content(tiny, server):
     messages = [{"role": "user", "content": "Think first."}]
     body = {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}
@@ -254,24 +300,25 @@ def test_stop_strings_cut_the_answer(server):
     assert streamed == expected
 
 
-def test_disconnect_mid_stream_stops_generation(tiny, server):
+@pytest.mark.parametrize("n", [1, 3])
+def test_disconnect_mid_stream_stops_generation(tiny, server, n):
     messages = [{"role": "user", "content": "Talk for a long time."}]
     worker = server.app.worker
     done = worker.completed
     body = {"model": "tiny", "messages": messages, "max_tokens": 1500, "temperature": 0,
-            "stream": True}  # fmt: skip
+            "stream": True, "n": n}  # fmt: skip
     with httpx.Client(timeout=30) as h:
         with h.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
             lines = r.iter_lines()
-            seen = [line for line, _ in zip(lines, range(4))]
+            seen = [line for line, _ in zip(lines, range(4 + 2 * n))]
     assert all(line.startswith("data: ") or not line for line in seen)
     deadline = time.monotonic() + 20
-    while worker.completed == done and time.monotonic() < deadline:
+    while worker.completed < done + n and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert worker.completed == done + 1
+    assert worker.completed == done + n  # every choice stopped
     ids = prompt_of(tiny, messages).ids
     held = [s.tokens for s in worker.pool.sequences if s.tokens[: len(ids)] == ids]
-    assert held and len(held[0]) - len(ids) < 200  # stopped long before 1500 tokens
+    assert len(held) >= n and all(len(t) - len(ids) < 200 for t in held)  # long before 1500
     # The sequence is consistent: the same prompt now reuses it and answers exactly.
     r = ask(client(server), messages)
     assert r.usage.prompt_tokens_details.cached_tokens > 0
@@ -467,6 +514,8 @@ def test_api_key(tiny):
             "chat_template_kwargs.enable_thinking",
         ),  # fmt: skip
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": WINDOW}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": MAX_CHOICES + 1}, "n"),
     ],
 )
 def test_bad_requests_name_the_field(server, body, param):

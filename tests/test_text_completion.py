@@ -238,6 +238,39 @@ def test_streamed_logprobs_concatenate_to_the_whole_answers(tiny, server, kw):
     assert [list(t or {}) for t in got["top_logprobs"]] == [list(t or {}) for t in ref.top_logprobs]
 
 
+def test_n_choices_each_with_its_echo_finish_and_seed(tiny, server):
+    c = client(server)
+    prompt = "Choices: one prompt, two answers,"
+    ids = tiny.tokenizer.encode(prompt)
+    expected = tiny.tokenizer.decode(fresh_greedy(tiny, ids, 5)[0])
+    r = complete(c, prompt, n=2, echo=True)
+    assert [(ch.index, ch.text, ch.finish_reason) for ch in r.choices] == [
+        (i, prompt + expected, "length") for i in range(2)
+    ]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 10)
+    # Sampled: choice i is the answer of the same request with n=1 and seed + i.
+    sampled = {"temperature": 1.0, "seed": 7}
+    r = complete(c, prompt, n=2, **sampled)
+    singles = [complete(c, prompt, **{**sampled, "seed": 7 + i}).choices[0].text for i in range(2)]
+    assert [ch.text for ch in r.choices] == singles and singles[0] != singles[1]
+    texts, finish, tokens = {}, {}, {}
+    for chunk in complete(c, prompt, n=2, stream=True, logprobs=1,
+                          stream_options={"include_usage": True}, **sampled):  # fmt: skip
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            finish[ch.index] = ch.finish_reason or finish.get(ch.index)
+            tokens[ch.index] = tokens.get(ch.index, 0) + len(ch.logprobs.tokens)
+    assert texts == {0: singles[0], 1: singles[1]}
+    assert finish == {0: "length", 1: "length"} and tokens == {0: 5, 1: 5}
+    assert chunk.usage.completion_tokens == 10
+    # Only the prompt (max_tokens 0, echo): n copies of it, streamed too.
+    r = complete(c, prompt, n=2, echo=True, max_tokens=0)
+    assert [ch.text for ch in r.choices] == [prompt, prompt]
+    chunks = list(complete(c, prompt, n=2, echo=True, max_tokens=0, stream=True))
+    assert sorted((ch.index, ch.text) for k in chunks for ch in k.choices if ch.text) == [
+        (0, prompt), (1, prompt)]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -251,6 +284,7 @@ def test_streamed_logprobs_concatenate_to_the_whole_answers(tiny, server, kw):
         ({"prompt": "hi", "temperature": 5}, "temperature"),
         ({"prompt": "hi", "max_tokens": False, "echo": True}, "max_tokens"),
         ({"prompt": "hi", "max_tokens": 0.0, "echo": True}, "max_tokens"),
+        ({"prompt": "hi", "n": 9}, "n"),
     ],
 )
 def test_bad_requests_name_the_field(server, body, param):

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
@@ -43,6 +44,9 @@ from ..runtime.sampling import MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
 from ..turn import ToolCall, parse_tool_calls, split_reasoning
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
+# Choices one request may ask for (`n`): they decode together, at most the batch's default
+# width (runtime.batch.DEFAULT_MAX_BATCH), each on its own pool sequence.
+MAX_CHOICES = 8
 THINK_END = "</think>"
 TOOL_CALL = "<tool_call>"
 
@@ -93,6 +97,7 @@ class ChatRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     max_thinking_tokens: int | None = None  # None: unbounded
+    n: int = 1  # choices: answers sampled for the one prompt (`choice`)
 
     @property
     def top_logprobs_or_none(self) -> int | None:
@@ -184,9 +189,9 @@ def parse_request(body: Any, defaults: Mapping | None = None) -> ChatRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model", "invalid_type")
-    n = _integer(body, "n")
-    if n not in (None, 1):
-        raise _bad("only n=1 is supported", "n", "unsupported_value")
+    n = _integer(body, "n", 1) or 1
+    if n > MAX_CHOICES:
+        raise _bad(f"'n' must be between 1 and {MAX_CHOICES}, got {n}", "n", "invalid_value")
     logprobs = _flag(body, "logprobs") or False
     top_logprobs = _integer(body, "top_logprobs", 0)
     if top_logprobs is not None and top_logprobs > MAX_TOP_LOGPROBS:
@@ -272,8 +277,19 @@ def parse_request(body: Any, defaults: Mapping | None = None) -> ChatRequest:
         include_usage=bool(stream and include_usage), max_tokens=max_tokens, params=params,
         stop=stop, enable_thinking=thinking, preserve_thinking=preserve,
         response_format=response_format, forced_tools=forced, logprobs=logprobs,
-        top_logprobs=top_logprobs or 0, max_thinking_tokens=budget,
+        top_logprobs=top_logprobs or 0, max_thinking_tokens=budget, n=n,
     )  # fmt: skip
+
+
+def choice(request: ChatRequest, index: int) -> ChatRequest:
+    """Choice `index` of an `n`-choice request: one answer, its seed (if one is set) moved on by
+    `index` (mod 2**64), so the choices are distinct samples and each is the answer that same
+    request with n=1 and that seed gets."""
+    seed = request.params.seed
+    params = request.params
+    if seed is not None:
+        params = dataclasses.replace(params, seed=(seed + index) % (MAX_SEED + 1))
+    return dataclasses.replace(request, params=params, n=1)
 
 
 def forced_tools_of(choice: object, tools: list | None) -> list | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -53,7 +54,7 @@ from ..session import resolve_window
 from ..stateless import DEFAULT_MAX_TOKENS, PreparedChat, openai_message
 from ..turn import Turn
 from . import messages, responses, text_completion
-from .completion import THINK_END, ApiError, Renderer, decode_body, parse_request
+from .completion import THINK_END, ApiError, Renderer, choice, decode_body, parse_request
 from .logprobs import openai_content
 
 log = logging.getLogger("chatml.server")
@@ -435,25 +436,22 @@ class ServerApp:
             # request waits on: a huge body does not stall the event loop or small requests.
             prepared = await anyio.to_thread.run_sync(self._prepare, raw)
             chat = prepared.request
-            running = await self._start(request, prepared, warm=True)
+            choices = await self._start_choices(request, prepared, warm=True)
         except ApiError as e:
             return _error(e)
-        job, events, first, watcher = running.job, running.events, running.first, running.watcher
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if chat.stream:
-            stream = self._stream(chat, job, events, first, watcher, ident, created)
-            return _Stream(stream, job, media_type="text/event-stream",
+            stream = self._stream(chat, choices, ident, created)
+            return _Stream(stream, _Jobs(c.job for c in choices), media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache"})  # fmt: skip
         try:
-            event = first
-            while event[0] not in ("done", "error"):
-                event = await events.get()
+            turns = [await c.turn() for c in choices]
+        except ApiError as e:
+            return _error(e)
         finally:
-            job.cancel()  # no-op once done; stops the work if this handler is torn down
-            watcher.cancel()
-        if event[0] == "error":
-            return _error(event[1])
-        return JSONResponse(self._completion(event[1], ident, created, chat.logprobs))
+            for c in choices:
+                c.cancel()  # no-op once done; stops the work if this handler is torn down
+        return JSONResponse(self._completion(turns, ident, created, chat.logprobs))
 
     def _check_queue(self) -> None:
         if self.stopping:
@@ -467,29 +465,35 @@ class ServerApp:
         return self.worker.prepare(chat, window=self.window, renderer=self.renderer,
                                    default_max_tokens=self.config.max_tokens, openai=True)  # fmt: skip
 
-    def _usage(self, turn: Turn) -> dict:
-        s = turn.stats
+    def _usage(self, turns: list[Turn]) -> dict:
+        s = turns[0].stats  # the choices share the prompt: it counts once
+        generated = sum(t.stats.generated_tokens for t in turns)
         return {
             "prompt_tokens": s.prompt_tokens,
-            "completion_tokens": s.generated_tokens,
-            "total_tokens": s.prompt_tokens + s.generated_tokens,
+            "completion_tokens": generated,
+            "total_tokens": s.prompt_tokens + generated,
             "prompt_tokens_details": {"cached_tokens": s.reused_tokens},
         }
 
-    def _completion(self, turn: Turn, ident: str, created: int, logprobs: bool = False) -> dict:
+    def _completion(self, turns: list[Turn], ident: str, created: int, logprobs: bool = False
+                    ) -> dict:  # fmt: skip
+        return {
+            "id": ident, "object": "chat.completion", "created": created,
+            "model": self.config.model,
+            "choices": [{"index": i, "message": self._message(turn),
+                         "logprobs": self._logprobs(turn, logprobs), "finish_reason": _finish(turn)}
+                        for i, turn in enumerate(turns)],
+            "usage": self._usage(turns),
+        }  # fmt: skip
+
+    def _message(self, turn: Turn) -> dict:
         message: dict = {"role": "assistant", "content": turn.text}
         if turn.reasoning is not None:
             message["reasoning_content"] = turn.reasoning
         if turn.tool_calls:
             message["tool_calls"] = openai_message(turn).openai_tool_calls()
             message["content"] = turn.text or None
-        return {
-            "id": ident, "object": "chat.completion", "created": created,
-            "model": self.config.model,
-            "choices": [{"index": 0, "message": message, "logprobs": self._logprobs(turn, logprobs),
-                         "finish_reason": _finish(turn)}],
-            "usage": self._usage(turn),
-        }  # fmt: skip
+        return message
 
     def _logprobs(self, turn: Turn, asked: bool) -> dict | None:
         if not asked:
@@ -497,52 +501,76 @@ class ServerApp:
         return {"content": openai_content(self.engine.tokenizer, turn.logprobs or []),
                 "refusal": None}  # fmt: skip
 
-    async def _stream(self, chat, job, events, event, watcher, ident, created):
-        pending: list = []  # token logprobs not yet sent: they go with the next chunk
+    async def _stream(self, chat, choices: list[Running], ident: str, created: int):
+        pending: list[list] = [[] for _ in choices]  # per choice: logprobs not yet sent
+        turns: list[Turn | None] = [None] * len(choices)
 
-        def chunk(delta: dict | None = None, finish: str | None = None, **extra) -> str:
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        def chunk(i: int, delta: dict | None = None, finish: str | None = None, **extra) -> str:
+            entry = {"index": i, "delta": delta, "finish_reason": finish}
             if chat.logprobs and delta is not None:
-                choice["logprobs"] = {"content": openai_content(self.engine.tokenizer, pending)}
-                pending.clear()
-            choices = [] if delta is None else [choice]
+                entry["logprobs"] = {"content": openai_content(self.engine.tokenizer, pending[i])}
+                pending[i].clear()
             body = {
                 "id": ident, "object": "chat.completion.chunk", "created": created,
-                "model": self.config.model, "choices": choices, **extra,
+                "model": self.config.model, "choices": [] if delta is None else [entry], **extra,
             }  # fmt: skip
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            while True:
+            for i in range(len(choices)):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for i, event in merged(choices):
                 if event[0] == "logprobs":
-                    pending.extend(event[1])
+                    pending[i].extend(event[1])
                 elif event[0] == "delta":
                     _, reasoning, content, _raw = event
                     if reasoning:
-                        yield chunk({"reasoning_content": reasoning})
+                        yield chunk(i, {"reasoning_content": reasoning})
                     if content:
-                        yield chunk({"content": content})
+                        yield chunk(i, {"content": content})
                 elif event[0] == "error":
                     yield f"data: {json.dumps(event[1].body())}\n\n"
                     break
                 elif event[0] == "done":
-                    turn: Turn = event[1]
+                    turn = turns[i] = event[1]
                     if turn.tool_calls:
                         calls = openai_message(turn).openai_tool_calls()
-                        deltas = [{"index": i, **c} for i, c in enumerate(calls)]
-                        yield chunk({"tool_calls": deltas})
-                    yield chunk({}, _finish(turn))
-                    if chat.include_usage:
-                        yield chunk(None, usage=self._usage(turn))
-                    break
-                event = await events.get()
+                        yield chunk(
+                            i, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+                        )
+                    yield chunk(i, {}, _finish(turn))
+            else:
+                if chat.include_usage:
+                    yield chunk(0, None, usage=self._usage(turns))
             yield "data: [DONE]\n\n"
         finally:
-            job.cancel()
-            watcher.cancel()
+            for c in choices:
+                c.cancel()
 
     # ----- the other APIs: translations onto the same chat request -------------------------
+
+    async def _start_choices(self, request: Request, prepared: PreparedChat, *, warm: bool
+                             ) -> list[Running]:  # fmt: skip
+        """`_start` for each of the request's `n` choices: the first one prefills the prompt,
+        and the others start once its first token is in, so they resume from its snapshot at
+        the generation start (a fork, prefilling nothing of the prompt again) and decode in
+        the same batched steps. Only the first warms the next request."""
+        first = await self._start(request, prepared, warm=warm)
+        n = prepared.request.n
+        if n == 1:
+            return [first]
+        rest = await asyncio.gather(*(
+            self._start(request, dataclasses.replace(prepared, request=choice(prepared.request, i)),
+                        warm=False)
+            for i in range(1, n)
+        ), return_exceptions=True)  # fmt: skip
+        started = [first, *(r for r in rest if isinstance(r, Running))]
+        failed = [r for r in rest if isinstance(r, BaseException)]
+        if failed:
+            for r in started:
+                r.cancel()
+            raise failed[0]
+        return started
 
     async def _start(self, request: Request, prepared: PreparedChat, *, warm: bool) -> Running:
         """Queue `prepared` on the model thread; returns once its first event is in (so an
@@ -646,7 +674,7 @@ class ServerApp:
                 max_token_bytes=self.renderer.max_token_bytes,
             )  # fmt: skip
 
-        running, scored = None, None
+        choices, scored = [], None
         try:
             raw = await self._read_body(request)
             self._check_queue()
@@ -655,39 +683,46 @@ class ServerApp:
                 prepared = PreparedChat(asked.chat, asked.prompt, asked.max_tokens, self.window,
                                         None, False, time.perf_counter(), self.renderer)  # fmt: skip
                 # No warm-up: it re-renders chat messages, and a raw prompt has none.
-                running = await self._start(request, prepared, warm=False)
+                choices = await self._start_choices(request, prepared, warm=False)
             elif asked.logprobs is not None:
                 scored = await self._score(request, asked.prompt.ids, asked.logprobs)
         except ApiError as e:
             return _error(e)
         ident, model = f"cmpl-{uuid.uuid4().hex}", self.config.model
         if asked.chat.stream:
-            stream = text_completion.stream(running and running.each(), asked, ident, model,
-                                            tokenizer, scored)  # fmt: skip
-            return _Stream(stream, running and running.job, media_type="text/event-stream",
+            events = merged(choices) if choices else None
+            stream = text_completion.stream(events, asked, ident, model, tokenizer, scored)
+            return _Stream(stream, _Jobs(c.job for c in choices), media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache"})  # fmt: skip
         echo = asked.prompt.text if asked.echo else ""
         ids = asked.prompt.ids
-        if running is None:  # max_tokens 0: the prompt only
+        if not choices:  # max_tokens 0: the prompt only
             logprobs = None
             if scored is not None:
                 logprobs = text_completion.logprobs_body(tokenizer, ids, scored, asked.logprobs)
             usage = text_completion.usage(len(ids), 0, 0)
-            body = text_completion.completion(ident, int(time.time()), model, echo, "length",
-                                              usage, logprobs)  # fmt: skip
+            answers = [(echo, "length", logprobs)] * asked.chat.n
+            body = text_completion.completion(ident, int(time.time()), model, answers, usage)
             return JSONResponse(body)
         try:
-            text, turn = await text_completion.collect(running.each())
+            collected = [await text_completion.collect(c.each()) for c in choices]
         except ApiError as e:
             return _error(e)
-        s = turn.stats
-        usage = text_completion.usage(s.prompt_tokens, s.reused_tokens, s.generated_tokens)
-        logprobs = None
-        if asked.logprobs is not None:
-            logprobs = text_completion.generated_logprobs_body(tokenizer, turn, asked.logprobs)
-        return JSONResponse(text_completion.completion(
-            ident, int(time.time()), model, echo + text, turn.finish_reason, usage, logprobs
-        ))  # fmt: skip
+        finally:
+            for c in choices:
+                c.cancel()
+        answers = []
+        for text, turn in collected:
+            logprobs = None
+            if asked.logprobs is not None:
+                logprobs = text_completion.generated_logprobs_body(tokenizer, turn, asked.logprobs)
+            answers.append((echo + text, turn.finish_reason, logprobs))
+        turns = [turn for _, turn in collected]
+        s = turns[0].stats  # the choices share the prompt: it counts once
+        usage = text_completion.usage(s.prompt_tokens, s.reused_tokens,
+                                      sum(t.stats.generated_tokens for t in turns))  # fmt: skip
+        body = text_completion.completion(ident, int(time.time()), model, answers, usage)
+        return JSONResponse(body)
 
     def _track(self, job: Job) -> None:
         """Count `job` among this server's unfinished requests (a stop cancels them)."""
@@ -725,6 +760,11 @@ class Running:
     def __init__(self, job: Job, events: asyncio.Queue, first: tuple, watcher: asyncio.Future):
         self.job, self.events, self.first, self.watcher = job, events, first, watcher
 
+    def cancel(self) -> None:
+        """Stop the generation (a no-op once it is done) and its disconnect watcher."""
+        self.job.cancel()
+        self.watcher.cancel()
+
     async def each(self) -> AsyncIterator[tuple]:
         """The events up to ("done", Turn) or ("error", ApiError), always starting with
         ("first", reused_tokens) (an answer that ends at once has no first token); leaving
@@ -750,6 +790,46 @@ class Running:
             if event[0] == "done":
                 return event[1]
         raise ApiError(500, "the generation ended without an answer", type="server_error")
+
+
+async def merged(choices: list[Running]) -> AsyncIterator[tuple[int, tuple]]:
+    """The choices' events (`Running.each`), each with its choice's index, as they come; ends
+    when every choice is done or after the first error. Leaving early cancels them all."""
+    if len(choices) == 1:
+        async for event in choices[0].each():
+            yield 0, event
+        return
+    events: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, running: Running) -> None:
+        async for event in running.each():
+            events.put_nowait((i, event))
+
+    pumps = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(choices)]
+    try:
+        left = len(choices)
+        while left:
+            i, event = await events.get()
+            yield i, event
+            if event[0] == "error":
+                return
+            left -= event[0] == "done"
+    finally:
+        for p in pumps:
+            p.cancel()
+        for c in choices:
+            c.cancel()
+
+
+class _Jobs:
+    """Several jobs cancelled as one (a streamed response's choices)."""
+
+    def __init__(self, jobs):
+        self.jobs = list(jobs)
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancel()
 
 
 def _finish(turn: Turn) -> str:

@@ -231,17 +231,18 @@ def usage(prompt_tokens: int, cached: int, completion_tokens: int) -> dict:
     }  # fmt: skip
 
 
-def completion(ident: str, created: int, model: str, text: str, finish: str, usage: dict,
-               logprobs: dict | None = None) -> dict:  # fmt: skip
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+def completion(ident: str, created: int, model: str, answers: list[tuple], usage: dict) -> dict:
+    """The response body; `answers` per choice: (text, finish_reason, logprobs object)."""
+    choices = [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
+               for i, (text, finish, logprobs) in enumerate(answers)]  # fmt: skip
     return {"id": ident, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage}  # fmt: skip
+            "choices": choices, "usage": usage}  # fmt: skip
 
 
 def _chunk(ident: str, created: int, model: str, text: str, finish: str | None = None,
-           usage: dict | None = None, logprobs: dict | None = None) -> str:  # fmt: skip
+           usage: dict | None = None, logprobs: dict | None = None, index: int = 0) -> str:  # fmt: skip
     choices = [] if usage else [
-        {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     ]  # fmt: skip
     body = {"id": ident, "object": "text_completion", "created": created, "model": model,
             "choices": choices}  # fmt: skip
@@ -263,37 +264,49 @@ async def collect(events: AsyncIterator[tuple]) -> tuple[str, Turn]:
     raise ApiError(500, "the generation ended without an answer", type="server_error")
 
 
-async def stream(events: AsyncIterator[tuple] | None, request: CompletionRequest, ident: str,
-                 model: str, tokenizer, scored: list | None = None) -> AsyncIterator[str]:  # fmt: skip
-    """SSE chunks: the echoed prompt, the raw text pieces, the finish, usage if asked, [DONE].
-    `events` is None when nothing is generated (max_tokens 0); `scored` the prompt's logprobs
-    then (see `prompt_logprobs`), sent with the echo. Generated tokens' logprobs go with the
-    chunk of their text (those whose text is held back, with the finish)."""
+async def stream(events: AsyncIterator[tuple[int, tuple]] | None, request: CompletionRequest,
+                 ident: str, model: str, tokenizer, scored: list | None = None
+                 ) -> AsyncIterator[str]:  # fmt: skip
+    """SSE chunks: per choice the echoed prompt, then the raw text pieces as they come, each
+    choice's finish, usage if asked, [DONE]. `events` are the choices' events tagged with their
+    index (`server.merged`), None when nothing is generated (max_tokens 0); `scored` the
+    prompt's logprobs then (see `prompt_logprobs`), sent with the echo. Generated tokens'
+    logprobs go with the chunk of their text (those whose text is held back, with the finish)."""
     created = int(time.time())
-    top = request.logprobs
+    top, n = request.logprobs, request.chat.n
     if request.echo:
         echoed = None
         if scored is not None:
             echoed = logprobs_body(tokenizer, request.prompt.ids, scored, top)
-        yield _chunk(ident, created, model, request.prompt.text, logprobs=echoed)
-    turn = None
-    lps = StreamedLogprobs(tokenizer, top) if events is not None and top is not None else None
+        for i in range(n):
+            yield _chunk(ident, created, model, request.prompt.text, logprobs=echoed, index=i)
+    turns: list[Turn | None] = [None] * n
+    lps = [StreamedLogprobs(tokenizer, top) if events is not None and top is not None else None
+           for _ in range(n)]  # fmt: skip
     if events is not None:
-        async for event in events:
-            if event[0] == "logprobs" and lps is not None:
-                lps.add(event[1])
+        async for i, event in events:
+            if event[0] == "logprobs" and lps[i] is not None:
+                lps[i].add(event[1])
             elif event[0] == "delta" and event[3]:
-                yield _chunk(ident, created, model, event[3], logprobs=lps and lps.body())
+                yield _chunk(ident, created, model, event[3], logprobs=lps[i] and lps[i].body(),
+                             index=i)  # fmt: skip
             elif event[0] == "error":
                 yield f"data: {json.dumps(event[1].body())}\n\n"
                 return
             elif event[0] == "done":
-                turn = event[1]
-    finish = turn.finish_reason if turn is not None else "length"
-    yield _chunk(ident, created, model, "", finish, logprobs=lps and lps.body())
+                turns[i] = event[1]
+                yield _chunk(ident, created, model, "", turns[i].finish_reason,
+                             logprobs=lps[i] and lps[i].body(), index=i)  # fmt: skip
+    else:
+        for i in range(n):
+            yield _chunk(ident, created, model, "", "length", index=i)
     if request.chat.include_usage:
-        s = turn.stats if turn is not None else None
-        u = usage(s.prompt_tokens, s.reused_tokens, s.generated_tokens) if s else usage(
-            len(request.prompt.ids), 0, 0)  # fmt: skip
+        if events is None:
+            u = usage(len(request.prompt.ids), 0, 0)
+        else:
+            s = turns[0].stats  # the choices share the prompt: it counts once
+            u = usage(
+                s.prompt_tokens, s.reused_tokens, sum(t.stats.generated_tokens for t in turns)
+            )
         yield _chunk(ident, created, model, "", usage=u)
     yield "data: [DONE]\n\n"
