@@ -144,6 +144,35 @@ def test_tool_round_trip_renders_as_chat(tiny, server):
     assert text(m) == fresh_answer(tiny, chat_messages, MAX_TOKENS, tools=CHAT_TOOLS)
 
 
+def test_count_tokens_is_the_prompt_a_request_prefills(tiny, server):
+    c = client(server)
+    conversation = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+        ]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": '{"temp_c": 21}'},
+        ]},
+    ]  # fmt: skip
+    counted = c.messages.count_tokens(model="tiny", messages=conversation, tools=TOOLS,
+                                      system="Be brief.")  # fmt: skip
+    chat_messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'},
+    ]  # fmt: skip
+    assert counted.input_tokens == len(prompt_of(tiny, chat_messages, tools=CHAT_TOOLS).ids)
+    m = ask(c, conversation, tools=TOOLS, system="Be brief.")
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == counted.input_tokens
+    # Checked as a Messages request is (no max_tokens needed), errors in Anthropic's shape.
+    with pytest.raises(anthropic.BadRequestError) as e:
+        c.messages.count_tokens(model="tiny", messages=[{"role": "robot", "content": "hi"}])
+    assert "messages[0].role" in e.value.body["error"]["message"]
+
+
 @pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
 def test_forced_tool_use_validates_against_the_input_schema(server, choice):
     import jsonschema
@@ -298,7 +327,7 @@ def test_http_and_internal_errors_in_anthropic_shape(server, monkeypatch):
         return body["error"]["message"]
 
     anthropic_error(httpx.get(server.url + "/v1/messages"), 405, "invalid_request_error")
-    anthropic_error(httpx.post(server.url + "/v1/messages/count_tokens", json={}), 404,
+    anthropic_error(httpx.post(server.url + "/v1/messages/batches", json={}), 404,
                     "not_found_error")  # fmt: skip
     assert httpx.get(server.url + "/v1/chat/completions").json()["error"]["code"] == (
         "method_not_allowed"

@@ -593,7 +593,12 @@ def test_an_internal_error_is_one_traceback(server, monkeypatch):
 
 def test_health_models_and_unknown_route(server):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
-    assert client(server).models.list().data[0].id == "tiny"
+    c = client(server)
+    assert c.models.list().data[0].id == "tiny"
+    assert c.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as e:
+        c.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found" and "'tiny'" in e.value.body["message"]
     r = httpx.get(server.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 

@@ -187,12 +187,15 @@ class _Origins(Origins):
         return param
 
 
-def translate(body: Any, defaults: Mapping | None = None) -> MessagesRequest:
-    """A Messages request to the engine's chat request; ApiError(400) naming the field."""
+def translate(body: Any, defaults: Mapping | None = None, *, counting: bool = False
+              ) -> MessagesRequest:  # fmt: skip
+    """A Messages request to the engine's chat request; ApiError(400) naming the field.
+    `counting`: a `/v1/messages/count_tokens` body, which has no `max_tokens` (nor a need to
+    fit one: the prompt is what counts)."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", None, "invalid_type")
     origins = _Origins(_FIELDS)
-    max_tokens = body.get("max_tokens")
+    max_tokens = 1 if counting else body.get("max_tokens")
     if max_tokens is None:
         raise bad("'max_tokens' is required", "max_tokens", "missing")
     messages: list[dict] = []

@@ -291,9 +291,11 @@ class ServerApp:
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/messages", self.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
         ]
         handlers = {HTTPException: self._http_error, Exception: self._server_error}
@@ -422,11 +424,23 @@ class ServerApp:
         )
 
     async def models(self, request: Request) -> Response:
-        entry = {
+        return JSONResponse({"object": "list", "data": [self._model_entry()]})
+
+    async def model(self, request: Request) -> Response:
+        """One model (`client.models.retrieve`): the one served, under the name it is served as."""
+        name = request.path_params["model"]
+        if name != self.config.model:
+            message = (
+                f"the model '{name}' is not served here (this server serves '{self.config.model}')"
+            )
+            return _error(ApiError(404, message, param="model", code="model_not_found"))
+        return JSONResponse(self._model_entry())
+
+    def _model_entry(self) -> dict:
+        return {
             "id": self.config.model, "object": "model", "created": 0, "owned_by": "chatml-engine",
             "context_window": self.window,
         }  # fmt: skip
-        return JSONResponse({"object": "list", "data": [entry]})
 
     async def chat(self, request: Request) -> Response:
         try:
@@ -635,6 +649,20 @@ class ServerApp:
         except ApiError as e:
             return _anthropic_error(e)
         return JSONResponse(messages.message(turn, asked, ident, self.config.model, decode))
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's token count: the prompt a Messages request with this body would prefill
+        (its `usage.input_tokens`), rendered and tokenized without running the model."""
+
+        def count(raw: bytes) -> int:
+            asked = messages.translate(decode_body(raw), self.sampling, counting=True)
+            return len(self._prepare_translated(asked.chat, asked.origins).prompt.ids)
+
+        try:
+            raw = await self._read_body(request)
+            return JSONResponse({"input_tokens": await anyio.to_thread.run_sync(count, raw)})
+        except ApiError as e:
+            return _anthropic_error(e)
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API."""
