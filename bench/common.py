@@ -185,17 +185,25 @@ def best_seconds(fn: Callable[[], object], repeats: int, *, warmup: bool = False
     return best
 
 
-def fresh_greedy(eng, ids, max_tokens: int = 5):
+def fresh_greedy(eng, ids, max_tokens: int = 5, bias: dict[int, float] | None = None):
     """The reference for anything cached or drafted: greedy tokens after one full prefill of
     `ids` on fresh caches (the model's own forward; no session, no snapshots), stopping at a
-    stop token, and the logits that started them."""
+    stop token, and the logits that started them. `bias` ({token id: amount}, OpenAI's
+    logit_bias) is added to the logits in numpy before each argmax."""
     import mlx.core as mx
+    import numpy as np
 
     caches = eng.model.make_caches()
     logits = first = eng.model(mx.array([list(ids)]), caches)[0, -1]
     out = []
     while len(out) < max_tokens:
-        token = mx.argmax(logits).item()
+        if bias:
+            x = np.array(logits.astype(mx.float32), dtype=np.float64)
+            for t, b in bias.items():
+                x[t] += b
+            token = int(np.argmax(x))
+        else:
+            token = mx.argmax(logits).item()
         if token in eng.stop_ids:
             break
         out.append(token)

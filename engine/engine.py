@@ -233,6 +233,7 @@ class Engine:
         frequency_penalty: float = 0.0,
         seed: int | None = None,
         stop: str | list[str] | None = None,
+        logit_bias: dict[int, float] | None = None,
         enable_thinking: bool | None = None,
         preserve_thinking: bool | None = None,
         max_exchanges: int | None = None,
@@ -257,6 +258,7 @@ class Engine:
         several threads may call at once (served one after another).
         `response_format` (OpenAI's text / json_object / json_schema) and `tool_choice`
         ("required" or {"type": "function", "function": {"name": ...}}) constrain decoding;
+        `logit_bias` ({token id: -100 to 100}) shifts those tokens' logits (-100 bans one);
         `logprobs`/`top_logprobs` fill `Turn.logprobs`; `max_thinking_tokens` or
         `reasoning_effort` (low/medium/high) bound the think block.
         """
@@ -266,7 +268,7 @@ class Engine:
             self, messages, tools=tools, tool_choice=tool_choice, max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, seed=seed, stop=stop,
+            frequency_penalty=frequency_penalty, seed=seed, stop=stop, logit_bias=logit_bias,
             enable_thinking=enable_thinking, preserve_thinking=preserve_thinking,
             max_exchanges=max_exchanges, context_window=context_window, warm=warm,
             response_format=response_format, logprobs=logprobs, top_logprobs=top_logprobs,

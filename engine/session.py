@@ -214,6 +214,7 @@ class Session:
         repetition_penalty: float = 1.0,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
+        logit_bias: dict[int, float] | None = None,
         tools: list[dict] | None = None,
         validate: Callable[[Turn], None] | None = None,
         ignore_eos: bool = False,
@@ -231,7 +232,8 @@ class Session:
         other failure. A new message while tool calls are open abandons them. `ignore_eos`
         always generates `max_tokens` tokens (for benchmarks). Sampling is greedy unless told
         otherwise (the checkpoint's generation_config.json is for the CLI and the server; see
-        `SamplingParams` for each option, `Engine.sampling_defaults` for the model's values).
+        `SamplingParams` for each option, `Engine.sampling_defaults` for the model's values;
+        `logit_bias` maps token ids to amounts from -100 to 100 added to their logits).
 
         Constrained decoding: `response_format` (OpenAI's json_object / json_schema, or a
         regex / lark spec of engine/runtime/grammar.py) makes the answer match it;
@@ -285,6 +287,7 @@ class Session:
         if not isinstance(ignore_eos, bool):
             raise TypeError(f"ignore_eos must be True or False, got {ignore_eos!r}")
         params = SamplingParams(**sampling)
+        params.check_vocabulary(self.engine.tokenizer.vocab_size)
         options = _constraint_options(self.tools if tools is None else tools, response_format,
                                       tool_choice, max_thinking_tokens, reasoning_effort,
                                       logprobs, top_logprobs)  # fmt: skip

@@ -35,6 +35,7 @@ from .serving.completion import (
     Renderer,
     _partial_suffix,
     check_body,
+    check_logit_bias,
     output_budget,
     parse_request,
 )
@@ -111,6 +112,7 @@ class StatelessChat:
         t0 = time.perf_counter()
         window = window or self.engine.entry.context_window
         renderer = renderer or self.renderer
+        check_logit_bias(request.params, self.engine.tokenizer)
         prompt = renderer.render(request)  # checks every message, keeps them all
         if max_exchanges is None:
             max_tokens = output_budget(request, len(prompt.ids), window, default_max_tokens)
@@ -363,7 +365,8 @@ def openai_message(turn: Turn) -> Message:
 def chat_stream(engine, messages: list[dict], *, tools=None, tool_choice=None, max_tokens=None,
                 temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
                 presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=None,
-                enable_thinking=None, preserve_thinking=None, max_exchanges=None, context_window=None, warm=True, response_format=None,
+                logit_bias=None, enable_thinking=None, preserve_thinking=None,
+                max_exchanges=None, context_window=None, warm=True, response_format=None,
                 logprobs=None, top_logprobs=None, max_thinking_tokens=None,
                 reasoning_effort=None) -> Iterator[str | Turn]:  # fmt: skip
     """`Engine.chat_stream`: everything is checked here, before the generator is made."""
@@ -383,7 +386,7 @@ def chat_stream(engine, messages: list[dict], *, tools=None, tool_choice=None, m
         "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
         "min_p": min_p, "repetition_penalty": repetition_penalty,
         "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
-        "seed": seed, "stop": stop,
+        "seed": seed, "stop": stop, "logit_bias": _json_bias(logit_bias),
         "chat_template_kwargs": {k: v for k, v in kwargs.items() if v is not None},
         "response_format": response_format, "logprobs": logprobs, "top_logprobs": top_logprobs,
         "max_thinking_tokens": max_thinking_tokens, "reasoning_effort": reasoning_effort,
@@ -397,6 +400,14 @@ def chat_stream(engine, messages: list[dict], *, tools=None, tool_choice=None, m
     except ApiError as e:
         raise ChatError(e.message, e.param, e.code) from None
     return chat.stream(prepared, warm=warm)
+
+
+def _json_bias(bias):
+    """A Python `logit_bias` ({token id: bias}) as the request body writes it (string keys);
+    anything else is passed on for the request's check to name."""
+    if isinstance(bias, dict) and all(type(k) is int and k >= 0 for k in bias):
+        return {str(k): v for k, v in bias.items()}
+    return bias
 
 
 def last(stream: Iterator):

@@ -278,7 +278,8 @@ def test_concurrent_requests_batch_and_answer_as_alone(eng):
 
 
 def test_seeded_sampled_rows_pick_together_and_draw_as_alone(eng, monkeypatch):
-    """Sampled requests (seeded, Qwen's cuts, one with a penalty, one greedy beside them):
+    """Sampled requests (seeded, Qwen's cuts, one with a penalty, one with a logit bias, one
+    greedy beside them):
     their rows' picks are made in one draw per step, and each answer is the one the same
     request gets alone: a row's uniforms come from its own seed, whatever rows share the
     draw."""
@@ -289,7 +290,7 @@ def test_seeded_sampled_rows_pick_together_and_draw_as_alone(eng, monkeypatch):
     monkeypatch.setattr(sampling, "_picks", lambda x, s: widest.append(len(s)) or real(x, s))
     cuts = {"temperature": 0.9, "top_k": 20, "top_p": 0.95, "max_tokens": 12}
     options = [{**cuts, "seed": 1}, {**cuts, "seed": 2, "presence_penalty": 1.5},
-               {**cuts, "seed": 3}, {"max_tokens": 12}]  # fmt: skip
+               {**cuts, "seed": 3, "logit_bias": {"7": 6.0, "11": -100}}, {"max_tokens": 12}]  # fmt: skip
     held = Held(eng)
     requests = [Request(eng, messages(50 + i), **o) for i, o in enumerate(options)]
     held.release()

@@ -23,9 +23,11 @@ from engine.runtime.sampling import (
 
 
 def reference(logits, prompt, generated, *, presence=0.0, frequency=0.0, repetition=1.0,
-              window=64) -> np.ndarray:  # fmt: skip
-    """The penalized logits, in float64 numpy, straight from the definitions."""
+              window=64, bias=None) -> np.ndarray:  # fmt: skip
+    """The biased and penalized logits, in float64 numpy, straight from the definitions."""
     out = np.asarray(logits, dtype=np.float64).copy()
+    for t, b in (bias or {}).items():
+        out[t] += b
     if repetition != 1.0:
         for t in set((list(prompt) + list(generated))[-window:]):
             out[t] = out[t] / repetition if out[t] > 0 else out[t] * repetition
@@ -34,16 +36,18 @@ def reference(logits, prompt, generated, *, presence=0.0, frequency=0.0, repetit
 
 
 @pytest.mark.parametrize(
-    "presence, frequency, repetition",
-    [(1.5, 0.0, 1.0), (0.0, 0.7, 1.0), (-1.0, 2.0, 1.0), (0.5, -0.25, 1.3), (2.0, 2.0, 0.8)],
-)
-def test_penalties_match_numpy(presence, frequency, repetition):
+    "presence, frequency, repetition, bias",
+    [(1.5, 0.0, 1.0, None), (0.0, 0.7, 1.0, None), (-1.0, 2.0, 1.0, None),
+     (0.5, -0.25, 1.3, None), (2.0, 2.0, 0.8, None), (0.0, 0.0, 1.0, {3: -100, 7: 2.5, 49: 100}),
+     (1.5, 0.5, 1.3, {0: 5, 4: -0.5})],
+)  # fmt: skip
+def test_penalties_match_numpy(presence, frequency, repetition, bias):
     rng = np.random.default_rng(7)
     vocab = 50
     prompt = rng.integers(0, vocab, 30).tolist()
     generated = rng.integers(0, 12, 40).tolist()  # a few tokens, many repeats
     params = SamplingParams(presence_penalty=presence, frequency_penalty=frequency,
-                            repetition_penalty=repetition)  # fmt: skip
+                            repetition_penalty=repetition, logit_bias=bias)  # fmt: skip
     sampler = Sampler(params)
     assert not sampler.reads_history  # device-side counts: the decode loop runs ahead
     history = list(prompt)
@@ -51,10 +55,10 @@ def test_penalties_match_numpy(presence, frequency, repetition):
         logits = rng.normal(0, 3, vocab).astype(np.float32)
         got = np.array(sampler.process(mx.array(logits), history))
         want = reference(logits, prompt, generated[:step], presence=presence,
-                         frequency=frequency, repetition=repetition)  # fmt: skip
+                         frequency=frequency, repetition=repetition, bias=bias)  # fmt: skip
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
         # Greedy picks the reference's best token.
-        assert int(Sampler(params).__call__(mx.array(want, dtype=mx.float32), [])) == int(
+        assert int(Sampler(SamplingParams()).__call__(mx.array(want, dtype=mx.float32), [])) == int(
             np.argmax(want)
         )
         if step < len(generated):
@@ -117,6 +121,10 @@ def test_greedy_answers_with_penalties_match_a_numpy_decode(tiny):
         ({"presence_penalty": "1"}, "presence_penalty"),
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": None}, "top_p"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: "1"}}, "logit_bias"),
+        ({"logit_bias": [5, 1]}, "logit_bias"),
     ],
 )
 def test_bad_options_fail_up_front_naming_the_option(tiny, options, name):
@@ -566,3 +574,15 @@ def test_residual_draws_agree_on_both_paths(monkeypatch, top_k, min_p, top_p):
         rows += 5
         agree += sum(a == b for a, b in zip(native[1].tolist(), ops[1].tolist()))
     assert agree >= 0.9 * rows
+
+
+def test_a_logit_bias_past_the_vocabulary_fails_before_the_turn(tiny):
+    s = tiny.session("sys")
+    before = (list(s.history), list(s.seq.tokens))
+    vocab = tiny.tokenizer.vocab_size
+    with pytest.raises(ValueError, match=f"logit_bias names token {vocab}, past the vocabulary"):
+        s.send("hello", max_tokens=2, logit_bias={1: 1.0, vocab: -100})
+    assert (s.history, s.seq.tokens) == before  # nothing was touched
+    banned = s.send("hello", max_tokens=1).token_ids[0]  # the greedy first token, then banned
+    s.reset()
+    assert s.send("hello", max_tokens=1, logit_bias={banned: -100}).token_ids[0] != banned

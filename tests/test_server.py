@@ -19,7 +19,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers import SERVER_WINDOW, serve_app
+from helpers import SERVER_WINDOW, fresh_greedy, serve_app
 from helpers import openai_client as client
 
 from engine.checkpoints.tokenizer import StreamDecoder
@@ -246,6 +246,20 @@ def test_n_choices_are_the_seeded_answers_and_prefill_the_prompt_once(tiny, serv
     assert pieces == {i: r.choices[i].message.content for i in range(2)}
     assert finish == {0: "length", 1: "length"}
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt.ids), 16)
+
+
+def test_logit_bias_shifts_the_tokens_it_names(tiny, server):
+    # The reference adds the bias to the model's logits in numpy before each greedy pick, on a
+    # fresh prefill; -100 bans a token, +100 all but forces one.
+    c = client(server)
+    messages = [{"role": "user", "content": "Bias me."}]
+    ids = prompt_of(tiny, messages).ids
+    plain, _ = fresh_greedy(tiny, ids, MAX_TOKENS)
+    for bias in ({plain[0]: -100, plain[2]: -100}, {plain[3]: 100}, {7: 4.5, plain[1]: -3.0}):
+        want, _ = fresh_greedy(tiny, ids, MAX_TOKENS, bias=bias)
+        r = ask(c, messages, logit_bias={str(k): v for k, v in bias.items()})
+        assert r.choices[0].message.content == tiny.tokenizer.decode(want), bias
+    assert plain[0] not in fresh_greedy(tiny, ids, MAX_TOKENS, bias={plain[0]: -100})[0]
 
 
 def test_thinking_is_returned_as_reasoning_content(tiny, server):
@@ -515,6 +529,17 @@ def test_api_key(tiny):
         ),  # fmt: skip
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": WINDOW}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": [1]}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"a": 1}}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"-1": 1}}, "logit_bias"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 100.5}},
+            "logit_bias",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"999999999": -100}},
+            "logit_bias",
+        ),
         ({"messages": [{"role": "user", "content": "hi"}], "n": MAX_CHOICES + 1}, "n"),
     ],
 )

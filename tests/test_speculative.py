@@ -164,6 +164,18 @@ def test_penalties_under_speculation_equal_plain_decoding(tiny, params, rate):
     _assert_holds(model, caches, PROMPT + out[:-1], out[-1])
 
 
+@pytest.mark.parametrize("rate", [0.0, 0.4])
+def test_a_logit_bias_under_speculation_equals_plain_decoding(tiny, rate):
+    model = tiny.model
+    plain = _plain(model, PROMPT, 16)
+    params = SamplingParams(logit_bias={plain[1]: -100, plain[6]: -100, 7: 30.0})
+    want = _plain(model, PROMPT, 16, params=params)
+    assert want != plain and plain[1] not in want and plain[6] not in want
+    caches, steps, stats = _speculate(model, InjectedDrafter(want, len(PROMPT), rate), 4, n=16,
+                                      params=params)  # fmt: skip
+    assert list(steps) == want and stats.accepted > 0
+
+
 def test_a_thinking_budget_under_speculation_closes_where_plain_decoding_does(tiny):
     from engine.runtime.thinking import ThinkingBudget
 

@@ -302,11 +302,19 @@ def test_bad_input_raises_chat_error_naming_it_before_any_work(tiny):
         (ok, {"context_window": 0}, "context_window"),
         (ok, {"warm": "no"}, "warm"),
         (ok, {"top_logprobs": 3}, "top_logprobs"),
+        (ok, {"logit_bias": {5: 200}}, "logit_bias"),
+        (ok, {"logit_bias": {"x": 1}}, "logit_bias"),
+        (ok, {"logit_bias": {tiny.tokenizer.vocab_size: 1}}, "logit_bias"),
     ]
     for messages, options, param in cases:
         with pytest.raises(engine.ChatError) as e:
             tiny.chat_stream(messages, **options)  # raises at the call, not at the first next
         assert e.value.param == param, (options, e.value)
+    # A good one takes token ids as ints, as Session.send does.
+    ids = tiny.stateless.prepare(parse_request({"messages": ok})).prompt.ids
+    plain, _ = fresh_greedy(tiny, ids, 3)
+    want, _ = fresh_greedy(tiny, ids, 3, bias={plain[0]: -100})
+    assert tiny.chat(ok, max_tokens=3, logit_bias={plain[0]: -100}, warm=False).token_ids == want
     long = [{"role": "user", "content": "word " * 400}]
     with pytest.raises(engine.ChatError, match="maximum context length is 100 tokens"):
         tiny.chat(long, context_window=100)

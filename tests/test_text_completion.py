@@ -44,6 +44,20 @@ def test_raw_prompt_no_template_greedy_exact(tiny, server):
     assert chunks[-1].usage.completion_tokens == 5
 
 
+def test_logit_bias_on_a_raw_prompt(tiny, server):
+    c = client(server)
+    prompt = "The fox and the crow, biased."
+    ids = tiny.tokenizer.encode(prompt)
+    plain, _ = fresh_greedy(tiny, ids, 5)
+    bias = {plain[0]: -100, plain[1]: -100}
+    want, _ = fresh_greedy(tiny, ids, 5, bias=bias)
+    r = complete(c, prompt, logit_bias={str(k): v for k, v in bias.items()})
+    assert r.choices[0].text == tiny.tokenizer.decode(want) != tiny.tokenizer.decode(plain)
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(c, prompt, logit_bias={str(tiny.tokenizer.vocab_size): 1})
+    assert e.value.body["param"] == "logit_bias"
+
+
 def test_extended_prompt_reuses_the_cached_prefix(tiny, server):
     c = client(server)
     ids = tiny.tokenizer.encode("Few-shot: 1 -> one, 2 -> two,")

@@ -234,6 +234,11 @@ class Tokenizer:
         pieces = b.pre_tokenizer.pre_tokenize_str(text) if b.pre_tokenizer else [(text, None)]
         return [t.id for piece, _ in pieces for t in b.model.tokenize(piece)]
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids are below this (the added special tokens included)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=False)
 

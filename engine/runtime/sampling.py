@@ -1,8 +1,8 @@
 """Token sampling: a chain of logits processors, then the pick.
 
-A row's chain runs in one fixed order: the penalties (repetition, then presence and
-frequency), then a thinking budget, then the grammar mask (constrained decoding), then the
-pick (greedy, or temperature with top-k, top-p, min-p and a seeded key). Rows decoding in
+A row's chain runs in one fixed order: the logit bias, the penalties (repetition, then
+presence and frequency), then a thinking budget, then the grammar mask (constrained
+decoding), then the pick (greedy, or temperature with top-k, top-p, min-p and a seeded key). Rows decoding in
 one batched step are picked together (`pick_rows`): each row's chain on its own logits, then
 one pick per group of rows that share their cuts, each row drawing at a uniform from its own
 key, so a row's tokens are those it would draw alone. A draw is the inverse CDF over the cut
@@ -38,6 +38,7 @@ from kernels.choice import device_kind
 from kernels.sampling import logprobs, sample, sample_excluding, sample_rows
 
 MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: -100 bans a token, 100 all but forces it
 # A temperature below this picks greedily (as vLLM's _SAMPLING_EPS): dividing float32 logits
 # by less overflows to inf, and the draw is the argmax's anyway.
 GREEDY_BELOW = 1e-5
@@ -69,6 +70,15 @@ class SamplingParams:
     seed: int | None = None
     presence_penalty: float = 0.0  # OpenAI's: once per token already in the answer
     frequency_penalty: float = 0.0  # OpenAI's: times the token's count in the answer
+    # OpenAI's `logit_bias`: {token id: bias in [-100, 100]} added to the model's logits before
+    # everything else (kept as sorted (id, bias) pairs, so the params stay hashable)
+    logit_bias: tuple = ()
+
+    def check_vocabulary(self, size: int) -> None:
+        """ValueError if `logit_bias` names a token id past a vocabulary of `size` tokens."""
+        if self.logit_bias and self.logit_bias[-1][0] >= size:  # sorted by id
+            raise ValueError(f"logit_bias names token {self.logit_bias[-1][0]}, past the "
+                             f"vocabulary ({size} tokens)")  # fmt: skip
 
     def __post_init__(self):
         problems = []
@@ -97,6 +107,23 @@ class SamplingParams:
         w = self.repetition_window
         if not isinstance(w, int) or isinstance(w, bool) or w < 1:
             problems.append(f"repetition_window must be an integer >= 1, got {w!r}")
+        bias = () if self.logit_bias is None else self.logit_bias
+        pairs = list(bias.items()) if isinstance(bias, dict) else None
+        if isinstance(bias, (tuple, list)) and all(
+            isinstance(pair, (tuple, list)) and len(pair) == 2 for pair in bias
+        ):
+            pairs = [tuple(pair) for pair in bias]
+        if pairs is None:
+            problems.append(f"logit_bias must map token ids to biases, got {bias!r}")
+        else:
+            for token, b in pairs:
+                if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                    problems.append(f"logit_bias: token ids are integers >= 0, got {token!r}")
+                elif not _is_number(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                    problems.append(f"logit_bias: a bias is a number from -100 to 100, got {b!r}"
+                                    f" for token {token}")  # fmt: skip
+            if len({token for token, _ in pairs}) != len(pairs):
+                problems.append("logit_bias names a token twice")
         s = self.seed
         if s is not None and (
             not isinstance(s, int) or isinstance(s, bool) or not 0 <= s <= MAX_SEED
@@ -114,6 +141,7 @@ class SamplingParams:
         object.__setattr__(self, "min_p", min(self.min_p, _FLOAT32_BELOW_ONE))
         if self.top_k >= 2**31:
             object.__setattr__(self, "top_k", 0)
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in sorted(pairs)))
 
 
 def token_logprobs(logits: mx.array, tokens: mx.array, k: int
@@ -244,9 +272,32 @@ class PresenceFrequencyPenalty(LogitsProcessor):
             self.counts = self.counts.at[token.reshape(1)].add(1.0)
 
 
+class LogitBias(LogitsProcessor):
+    """OpenAI's `logit_bias`: fixed amounts added to some tokens' logits (a dense `[V]` vector
+    made at the first call, then one add a pick)."""
+
+    def __init__(self, pairs: Sequence[tuple[int, float]]):
+        self.pairs = tuple(pairs)
+        self.bias: mx.array | None = None
+
+    def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
+        V = logits.shape[-1]
+        if self.bias is None or self.bias.shape[0] != V:
+            if self.pairs[-1][0] >= V:  # sorted by id: the last is the largest
+                raise ValueError(f"logit_bias names token {self.pairs[-1][0]}, past the "
+                                 f"model's {V} logits")  # fmt: skip
+            bias = np.zeros(V, np.float32)
+            for token, b in self.pairs:
+                bias[token] = b
+            self.bias = mx.array(bias)
+        return logits + self.bias
+
+
 def processors_for(params: SamplingParams) -> list[LogitsProcessor]:
     """The processors `params` asks for, in the chain's order."""
     chain: list[LogitsProcessor] = []
+    if params.logit_bias:
+        chain.append(LogitBias(params.logit_bias))
     if params.repetition_penalty != 1.0:
         chain.append(RepetitionPenalty(params.repetition_penalty, params.repetition_window))
     if params.presence_penalty or params.frequency_penalty:

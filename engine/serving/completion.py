@@ -268,8 +268,9 @@ def parse_request(body: Any, defaults: Mapping | None = None) -> ChatRequest:
     seed = _integer(body, "seed", 0)
     if seed is not None and seed > MAX_SEED:
         raise _bad(f"'seed' must be at most 2**64-1, got {seed}", "seed", "invalid_value")
+    bias = _logit_bias(body.get("logit_bias"))
     try:
-        params = SamplingParams(**sampling, seed=seed)
+        params = SamplingParams(**sampling, seed=seed, logit_bias=bias)
     except ValueError as e:  # e.g. top_p == 0 or min_p == 1
         raise _bad(str(e), str(e).split(" ", 1)[0], "invalid_value") from None
     return ChatRequest(
@@ -279,6 +280,35 @@ def parse_request(body: Any, defaults: Mapping | None = None) -> ChatRequest:
         response_format=response_format, forced_tools=forced, logprobs=logprobs,
         top_logprobs=top_logprobs or 0, max_thinking_tokens=budget, n=n,
     )  # fmt: skip
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's `logit_bias` (an object of token ids, as strings, to biases from -100 to 100)
+    as SamplingParams takes it; the ids are checked against the vocabulary later
+    (`check_logit_bias`), where the tokenizer is known."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _bad("'logit_bias' must be an object of token ids to biases", "logit_bias",
+                   "invalid_type")  # fmt: skip
+    bias = {}
+    for key, b in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):
+            raise _bad(f"'logit_bias': keys are token ids (decimal integers), got {key!r}",
+                       "logit_bias", "invalid_value")  # fmt: skip
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise _bad(f"'logit_bias': a bias is a number from -100 to 100, got {b!r} for "
+                       f"token {key}", "logit_bias", "invalid_value")  # fmt: skip
+        bias[int(key)] = float(b)
+    return bias
+
+
+def check_logit_bias(params: SamplingParams, tokenizer) -> None:
+    """ApiError(400) if `logit_bias` names a token past the tokenizer's vocabulary."""
+    try:
+        params.check_vocabulary(tokenizer.vocab_size)
+    except ValueError as e:
+        raise _bad(str(e), "logit_bias", "invalid_value") from None
 
 
 def choice(request: ChatRequest, index: int) -> ChatRequest:

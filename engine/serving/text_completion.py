@@ -29,7 +29,7 @@ from ..runtime.batch import WAIT
 from ..runtime.generate import eval_caches
 from ..runtime.sampling import token_logprobs
 from ..turn import Turn
-from .completion import ApiError, ChatRequest, output_budget
+from .completion import ApiError, ChatRequest, check_logit_bias, output_budget
 from .translation import Origins, bad, chat_request, sampling_fields
 
 DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for this endpoint
@@ -110,7 +110,7 @@ def translate(body: Any, tokenizer, window: int, defaults: Mapping | None = None
                   "for the generated tokens' logprobs without echo", "logprobs", "unsupported")  # fmt: skip
     origins = Origins({"messages": "prompt"})
     chat: dict = {"messages": [{"role": "user", "content": ""}], **sampling_fields(body)}
-    for name in ("stop", "stream", "stream_options", "n"):
+    for name in ("stop", "stream", "stream_options", "n", "logit_bias"):
         if body.get(name) is not None:
             chat[name] = body[name]
     if max_tokens != 0:
@@ -118,7 +118,8 @@ def translate(body: Any, tokenizer, window: int, defaults: Mapping | None = None
         if logprobs is not None:  # the generated tokens', as the chat endpoint reports them
             chat["logprobs"], chat["top_logprobs"] = True, logprobs
     request = chat_request(chat, defaults, origins)
-    vocab = tokenizer.backend.get_vocab_size(with_added_tokens=True)
+    check_logit_bias(request.params, tokenizer)
+    vocab = tokenizer.vocab_size
     ids, text = _prompt_ids(body.get("prompt"), tokenizer, vocab, window, max_token_bytes)
     # One snapshot before the last token: the same prompt sent again (another sample, a retry)
     # resumes there; a prompt that extends it resumes after the answer as well.
