@@ -529,6 +529,11 @@ def test_api_key(tiny):
         ),  # fmt: skip
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": WINDOW}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]},
+            "modalities",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "alloy"}}, "audio"),
         ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": [1]}, "logit_bias"),
         ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"a": 1}}, "logit_bias"),
         ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"-1": 1}}, "logit_bias"),

@@ -189,6 +189,12 @@ def parse_request(body: Any, defaults: Mapping | None = None) -> ChatRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model", "invalid_type")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"] or body.get("audio") is not None:
+        param = "audio" if body.get("audio") is not None else "modalities"
+        raise _bad("only text output is supported (the engine runs the text model): "
+                   "'modalities' may be [\"text\"] and 'audio' must be absent", param,
+                   "unsupported_value")  # fmt: skip
     n = _integer(body, "n", 1) or 1
     if n > MAX_CHOICES:
         raise _bad(f"'n' must be between 1 and {MAX_CHOICES}, got {n}", "n", "invalid_value")
