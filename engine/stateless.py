@@ -210,7 +210,11 @@ class StatelessChat:
         seq = self.pool.acquire(prompt.ids, b.generation_start)
         warmed, seq.warmed = seq.warmed, (0, 0)
         progress = Progress()
-        out = _Output(prompt.text.endswith("<think>\n"), request.stop)
+        out = _Output(
+            prompt.text.endswith("<think>\n"),
+            request.stop,
+            one_call=bool(request.tools) and not request.parallel_tool_calls,
+        )
         detok = StreamDecoder(self.engine.tokenizer)
         sampler = make_sampler(
             self.engine, request.params, thinking=out.text.thinking, spec=prepared.spec,
@@ -313,8 +317,8 @@ class _Output:
     """OutputText plus the raw text as a Python caller sees it: every generated piece, less
     what may still turn into a stop string (and nothing from a stop string on)."""
 
-    def __init__(self, thinking: bool, stop: list[str]):
-        self.text = OutputText(thinking, stop)
+    def __init__(self, thinking: bool, stop: list[str], one_call: bool = False):
+        self.text = OutputText(thinking, stop, one_call)
         self.shown = 0
 
     def add(self, piece: str) -> tuple | None:

@@ -17,7 +17,7 @@ from helpers import SERVER_WINDOW
 from test_server import fresh_answer, prompt_of
 
 from engine.serving import messages as api
-from engine.serving.completion import parse_request
+from engine.serving.completion import ApiError, parse_request
 from engine.serving.server import BackgroundServer, ServerConfig
 from engine.turn import ToolCall, Turn, TurnStats
 
@@ -232,6 +232,17 @@ async def _collect(stream) -> list[dict]:
         assert head == f"event: {event['type']}"
         out.append(event)
     return out
+
+
+def test_disable_parallel_tool_use_is_parallel_tool_calls_false():
+    base = {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
+    for choice, parallel in (({"type": "auto"}, True),
+                             ({"type": "auto", "disable_parallel_tool_use": True}, False),
+                             ({"type": "any", "disable_parallel_tool_use": False}, True)):  # fmt: skip
+        assert api.translate({**base, "tool_choice": choice}).chat.parallel_tool_calls is parallel
+    with pytest.raises(ApiError) as e:
+        api.translate({**base, "tool_choice": {"type": "auto", "disable_parallel_tool_use": 1}})
+    assert e.value.param == "tool_choice.disable_parallel_tool_use"
 
 
 def test_tool_use_answer_and_stream_shapes():

@@ -241,3 +241,12 @@ def test_render_errors_name_the_input_item(server):
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith("input[1]")
+
+
+def test_parallel_tool_calls_is_taken_and_echoed():
+    body = {"input": "x", "tools": [TOOL]}
+    for given, parallel in ((None, True), (False, False), (True, True)):
+        given_body = {**body, "parallel_tool_calls": given} if given is not None else body
+        asked = api.translate(given_body, api.ResponseStore())
+        assert asked.chat.parallel_tool_calls is parallel
+        assert api.response(asked, "resp_1", 0, "tiny")["parallel_tool_calls"] is parallel

@@ -19,7 +19,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers import SERVER_WINDOW, fresh_greedy, serve_app
+from helpers import SERVER_WINDOW, TOOLS, fresh_greedy, serve_app
 from helpers import openai_client as client
 
 from engine.checkpoints.tokenizer import StreamDecoder
@@ -727,6 +727,46 @@ def test_streamed_deltas_add_up_to_the_message(raw, thinking, stop):
     if "<function=f>" in raw:
         assert message.content == "Calling."
         assert [(t.name, t.arguments) for t in message.tool_calls] == [("f", {"x": 1})]
+
+
+def test_one_call_ends_the_answer_at_its_first_tool_call():
+    call = "<tool_call>\n<function=f>\n<parameter=x>\n{}\n</parameter>\n</function>\n</tool_call>"
+    raw = "Calling.\n" + call.format(1) + "\n" + call.format(2)
+    for one_call, want in ((False, [1, 2]), (True, [1])):
+        out = OutputText(False, one_call=one_call)
+        content = "".join(out.add(piece)[1] for piece in _pieces(raw)) + out.flush()[1]
+        assert out.stopped == one_call
+        message = out.message()
+        assert [t.arguments["x"] for t in message.tool_calls] == want
+        assert content == message.content == "Calling."
+    # A </tool_call> in the reasoning is no call: the answer goes on past it.
+    out = OutputText(True, one_call=True)
+    for piece in _pieces("I could write </tool_call> here.</think>\n" + call.format(3) + "x"):
+        out.add(piece)
+    assert out.stopped and out.raw.endswith("</tool_call>")
+    assert [t.arguments["x"] for t in out.message().tool_calls] == [3]
+
+
+def test_parallel_tool_calls_false_stops_after_the_first_call(tiny, server):
+    # A grammar makes tiny write two calls; with parallel_tool_calls false it stops after the
+    # first (no tokens spent on the second).
+    import re
+
+    call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n{}\n</parameter>\n"
+            "</function>\n</tool_call>")  # fmt: skip
+    two = re.escape("Checking.\n" + call.format("Paris") + "\n" + call.format("Rome"))
+    c = client(server)
+    messages = [{"role": "user", "content": "Weather?"}]
+    answers = {}
+    for parallel in (True, False):
+        r = ask(c, messages, tools=TOOLS, max_tokens=120, parallel_tool_calls=parallel,
+                response_format={"type": "regex", "regex": two})  # fmt: skip
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content == "Checking."
+        answers[parallel] = ([json.loads(t.function.arguments)["city"]
+                              for t in ch.message.tool_calls], r.usage.completion_tokens)  # fmt: skip
+    assert answers[True][0] == ["Paris", "Rome"] and answers[False][0] == ["Paris"]
+    assert answers[False][1] < answers[True][1]
 
 
 def test_no_warm_flag_reaches_the_server(tiny, monkeypatch):

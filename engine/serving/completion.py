@@ -49,6 +49,7 @@ MAX_STOP_STRINGS = 4  # as the OpenAI API
 MAX_CHOICES = 8
 THINK_END = "</think>"
 TOOL_CALL = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
 
 
 class ApiError(Exception):
@@ -98,6 +99,7 @@ class ChatRequest:
     top_logprobs: int = 0
     max_thinking_tokens: int | None = None  # None: unbounded
     n: int = 1  # choices: answers sampled for the one prompt (`choice`)
+    parallel_tool_calls: bool = True  # False: the answer ends with its first tool call
 
     @property
     def top_logprobs_or_none(self) -> int | None:
@@ -189,6 +191,7 @@ def parse_request(body: Any, defaults: Mapping | None = None) -> ChatRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model", "invalid_type")
+    parallel = _flag(body, "parallel_tool_calls")
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"] or body.get("audio") is not None:
         param = "audio" if body.get("audio") is not None else "modalities"
@@ -285,6 +288,7 @@ def parse_request(body: Any, defaults: Mapping | None = None) -> ChatRequest:
         stop=stop, enable_thinking=thinking, preserve_thinking=preserve,
         response_format=response_format, forced_tools=forced, logprobs=logprobs,
         top_logprobs=top_logprobs or 0, max_thinking_tokens=budget, n=n,
+        parallel_tool_calls=parallel is not False,
     )  # fmt: skip
 
 
@@ -557,14 +561,16 @@ class OutputText:
     stop string, `</think>` or `<tool_call>` is held back until it is clear. Streamed deltas
     concatenate to exactly what `message()` returns for the whole text (the same
     `split_reasoning`/`parse_tool_calls` the Python API uses). Stop strings apply to the
-    whole generated text (reasoning included) and are never shown.
+    whole generated text (reasoning included) and are never shown. With `one_call` (OpenAI's
+    `parallel_tool_calls: false`) the answer ends with its first tool call's `</tool_call>`.
     """
 
-    def __init__(self, thinking: bool, stop: Sequence[str] = ()):
+    def __init__(self, thinking: bool, stop: Sequence[str] = (), one_call: bool = False):
         self.thinking = thinking
         self.stop_strings = list(stop)
+        self.one_call = one_call
         self.raw = ""
-        self.stopped = False  # a stop string matched: generation must end
+        self.stopped = False  # a stop string matched, or the one call ended: generation ends
         self._sent = ("", "")
 
     def add(self, piece: str) -> tuple[str, str]:
@@ -578,7 +584,21 @@ class OutputText:
         if hits:
             self.raw = self.raw[: min(hits)]
             self.stopped = True
+        if self.one_call and (end := self._call_end(start)) is not None:
+            self.raw, self.stopped = self.raw[:end], True
         return self._delta(final=False)
+
+    def _call_end(self, start: int) -> int | None:
+        """Where the answer's first `</tool_call>` ends, if the piece added at `start` has
+        completed one (past the think block: a call in the reasoning is no call)."""
+        answer = 0
+        if self.thinking:
+            think = self.raw.find(THINK_END)
+            if think < 0:
+                return None
+            answer = think + len(THINK_END)
+        i = self.raw.find(TOOL_CALL_END, max(answer, start - len(TOOL_CALL_END) + 1))
+        return None if i < 0 else i + len(TOOL_CALL_END)
 
     def flush(self) -> tuple[str, str]:
         """Everything still held back, once generation has ended."""

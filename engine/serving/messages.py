@@ -162,6 +162,12 @@ def _tool_choice(choice: object) -> object:
               "unsupported_value")  # fmt: skip
 
 
+def _not(flag: Any, param: str) -> bool:
+    if not isinstance(flag, bool):
+        raise bad(f"'{param}' must be a boolean", param, "invalid_type")
+    return not flag
+
+
 def _thinking(value: Any) -> bool | None:
     if value is None:
         return None  # the model's own default, as on /v1/chat/completions
@@ -227,6 +233,9 @@ def translate(body: Any, defaults: Mapping | None = None, *, counting: bool = Fa
     choice = body.get("tool_choice")
     if choice is not None:
         chat["tool_choice"] = _tool_choice(choice)
+        if isinstance(choice, dict) and "disable_parallel_tool_use" in choice:
+            chat["parallel_tool_calls"] = _not(choice["disable_parallel_tool_use"],
+                                               "tool_choice.disable_parallel_tool_use")  # fmt: skip
     thinking = _thinking(body.get("thinking"))
     if thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": thinking}

@@ -229,6 +229,8 @@ def translate(body: Any, store: ResponseStore, defaults: Mapping | None = None, 
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    if body.get("parallel_tool_calls") is not None:
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     thinking = _thinking(body.get("reasoning"))
     if thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": thinking}
@@ -331,7 +333,8 @@ def response(request: ResponsesRequest, ident: str, created: int, model: str,
     body = {
         "id": ident, "object": "response", "created_at": created, "model": model,
         "status": "in_progress", "error": None, "incomplete_details": None, "output": [],
-        "parallel_tool_calls": True, "temperature": request.chat.params.temperature,
+        "parallel_tool_calls": request.chat.parallel_tool_calls,
+        "temperature": request.chat.params.temperature,
         "top_p": request.chat.params.top_p, "text": {"format": {"type": "text"}},
         "store": request.store, "usage": None, **request.echo,
     }  # fmt: skip
