@@ -530,6 +530,14 @@ def test_api_key(tiny):
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": WINDOW}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
         (
+            {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]},
+            "functions",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "function_call": "auto"},
+            "function_call",
+        ),
+        (
             {"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]},
             "modalities",
         ),

@@ -191,6 +191,10 @@ def parse_request(body: Any, defaults: Mapping | None = None) -> ChatRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model", "invalid_type")
+    for old, new in (("functions", "tools"), ("function_call", "tool_choice")):
+        if body.get(old) is not None:
+            raise _bad(f"'{old}' is OpenAI's deprecated form of '{new}': send '{new}' (answers "
+                       "come back as tool_calls)", old, "unsupported")  # fmt: skip
     parallel = _flag(body, "parallel_tool_calls")
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"] or body.get("audio") is not None:
