@@ -73,6 +73,28 @@ class PreparedChat:
     spec: dict | None = None  # the grammar the answer must match (engine/constraints.py)
 
 
+@dataclass
+class ChatCounts:
+    """What the pool's answered generations did so far (the server's /metrics); written on
+    the model thread, read anywhere (each field a plain number)."""
+
+    answered: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, those reused from the cache
+    generated_tokens: int = 0
+    ttft_s: float = 0.0  # time to first token, summed
+    cache_bytes: int = 0  # the pool's bytes after the last answer
+
+    def add(self, turn: Turn) -> None:
+        s = turn.stats
+        self.prompt_tokens += s.prompt_tokens
+        self.cached_tokens += s.reused_tokens
+        self.generated_tokens += s.generated_tokens
+        self.ttft_s += s.ttft_s
+        self.cache_bytes = s.cache_bytes
+        self.answered += 1
+
+
 class StatelessChat:
     """One engine's stateless chat: its renderer and its pool of cached sequences.
 
@@ -86,6 +108,7 @@ class StatelessChat:
         self.renderer = Renderer(engine)
         self.completed = 0  # generations run (answered, failed or cancelled mid-way)
         self.warmed_tokens = 0  # prefilled by idle-time warm-ups
+        self.counts = ChatCounts()
         self._segments = SegmentCache(4096)  # for windowed renders
         self._segments_lock = threading.Lock()
 
@@ -264,6 +287,7 @@ class StatelessChat:
             finish="stop" if out.text.stopped else None,
             logprobs=sampler.recorded if request.logprobs else None,
         )  # fmt: skip
+        self.counts.add(turn)
         if warm:
             stamp = seq.stamp
             self.engine.worker.submit(

@@ -497,6 +497,10 @@ def test_api_key(tiny):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(srv.url + "/health").status_code == 200  # health needs no key
         assert client(srv, "s3cret").models.list().data[0].id == "tiny"
+        assert httpx.get(srv.url + "/metrics").status_code == 401  # metrics does
+        assert scrape(srv, {"Authorization": "Bearer s3cret"})["chatml_answers_total"] == 0
+        # no disk tier here (BackgroundServer attaches none): no disk counters
+        assert "chatml_disk_writes_total" not in scrape(srv, {"Authorization": "Bearer s3cret"})
 
 
 @pytest.mark.parametrize(
@@ -627,6 +631,45 @@ def test_an_internal_error_is_one_traceback(server, monkeypatch):
         assert log.seen.wait(30)  # logged after the answer is sent
     (record,) = log.records
     assert record.levelno == logging.ERROR and record.exc_info[1].args == ("a bug",)
+
+
+def scrape(srv, headers: dict | None = None) -> dict[str, float]:
+    """/metrics, parsed: each sample's value by name (the format checked on the way)."""
+    r = httpx.get(srv.url + "/metrics", headers=headers or {})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    values, kinds = {}, {}
+    for line in r.text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            kinds[name] = kind
+        elif not line.startswith("# HELP "):
+            name, value = line.split()
+            assert kinds[name] in ("counter", "gauge") and name.startswith("chatml_")
+            assert name.endswith("_total") == (kinds[name] == "counter")
+            values[name] = float(value)
+    return values
+
+
+def test_metrics_count_what_the_answers_report(server):
+    before = scrape(server)
+    c = client(server)
+    asked = [[{"role": "user", "content": f"Metrics, request {k}."}] for k in (1, 2, 1)]
+    usages = [ask(c, messages).usage for messages in asked]
+    after = scrape(server)
+
+    def grew(name: str) -> float:
+        return after[f"chatml_{name}"] - before[f"chatml_{name}"]
+
+    assert grew("answers_total") == grew("generations_total") == 3
+    assert grew("prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    assert grew("prompt_cached_tokens_total") == cached > 0  # the third repeats the first
+    assert grew("generated_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert grew("batch_passes_total") >= 3 * (MAX_TOKENS - 1)  # a decode step a token
+    assert grew("time_to_first_token_seconds_total") > 0
+    assert after["chatml_cache_bytes"] > 0 and after["chatml_cache_budget_bytes"] > 0
+    assert after["chatml_queued_jobs"] == 0
 
 
 def test_health_models_and_unknown_route(server):

@@ -297,6 +297,7 @@ class ServerApp:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
         ]
         handlers = {HTTPException: self._http_error, Exception: self._server_error}
         self.starlette = Starlette(
@@ -422,6 +423,46 @@ class ServerApp:
         return JSONResponse(
             {"status": "ok", "model": self.config.model, "queued": self.engine.worker.queued()}
         )
+
+    async def metrics(self, request: Request) -> Response:
+        """Counters and gauges in Prometheus's text format: what the generations did, the
+        batch, the cache and its disk tier, the queue. Read without the model thread (plain
+        numbers it writes), so a scrape never waits behind a generation."""
+        chat, eng = self.worker, self.engine
+        c, batch, disk = chat.counts, eng.batch_stats, eng.disk
+        rows = [
+            ("generations_total", "counter", "Generations run: answered, failed or cancelled",
+             chat.completed),
+            ("answers_total", "counter", "Generations answered", c.answered),
+            ("prompt_tokens_total", "counter", "Prompt tokens of the answers", c.prompt_tokens),
+            ("prompt_cached_tokens_total", "counter",
+             "Of those, tokens reused from the prefix cache", c.cached_tokens),
+            ("generated_tokens_total", "counter", "Tokens generated", c.generated_tokens),
+            ("time_to_first_token_seconds_total", "counter",
+             "Time to first token of the answers, summed (divide by answers_total)", c.ttft_s),
+            ("warmed_tokens_total", "counter", "Tokens prefilled by idle-time warm-ups",
+             chat.warmed_tokens),
+            ("batch_passes_total", "counter", "Passes through the model (steps and chunks)",
+             batch["steps"]),
+            ("batch_rows_total", "counter", "Rows those passes carried", batch["rows"]),
+            ("pool_forks_total", "counter", "Prefixes forked into another pool sequence",
+             chat.pool.forks),
+            ("cache_evictions_total", "counter", "Snapshots and caches the budget evicted",
+             eng.budget.evictions),
+            ("cache_bytes", "gauge", "Bytes the pool held after the last answer", c.cache_bytes),
+            ("cache_budget_bytes", "gauge", "The prefix cache's byte budget",
+             eng.budget.max_bytes),
+            ("queued_jobs", "gauge", "Jobs waiting for the model", eng.worker.queued()),
+        ]  # fmt: skip
+        if disk is not None:
+            rows += [
+                ("disk_reads_total", "counter", "Prefixes read back from the disk tier",
+                 disk.reads),
+                ("disk_writes_total", "counter", "Prefixes written to the disk tier", disk.writes),
+            ]  # fmt: skip
+        text = "".join(f"# HELP chatml_{name} {doc}\n# TYPE chatml_{name} {kind}\n"
+                       f"chatml_{name} {value}\n" for name, kind, doc, value in rows)  # fmt: skip
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_entry()]})
