@@ -262,6 +262,18 @@ def test_logit_bias_shifts_the_tokens_it_names(tiny, server):
     assert plain[0] not in fresh_greedy(tiny, ids, MAX_TOKENS, bias={plain[0]: -100})[0]
 
 
+def test_logit_bias_naming_a_token_twice_is_a_400(server):
+    # "1" and "01" are the same token id: which bias applies is ambiguous (SamplingParams itself
+    # refuses "logit_bias names a token twice"), yet the server kept the last one silently.
+    messages = [{"role": "user", "content": "hi"}]
+    for path, body in (("/v1/chat/completions", {"messages": messages}),
+                       ("/v1/completions", {"prompt": "hi"})):  # fmt: skip
+        body = {"model": "tiny", "max_tokens": 1, "logit_bias": {"1": 5, "01": -5}, **body}
+        r = httpx.post(server.url + path, json=body, timeout=30)
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["param"] == "logit_bias"
+
+
 def test_thinking_is_returned_as_reasoning_content(tiny, server):
     messages = [{"role": "user", "content": "Think first."}]
     body = {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}
