@@ -248,6 +248,15 @@ def test_n_choices_are_the_seeded_answers_and_prefill_the_prompt_once(tiny, serv
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt.ids), 16)
 
 
+def test_the_queue_limit_counts_a_request_of_n_choices_once(tiny):
+    # Each choice was checked against the queue as a request of its own: with max_queued 2,
+    # n=4 on an idle server was a 503 "retry later" that no retry could pass.
+    config = ServerConfig(port=0, max_queued=2, warm=False, prepare_grammar=False)
+    with BackgroundServer(tiny, config) as srv:
+        r = ask(client(srv), [{"role": "user", "content": "Four, please."}], n=4)
+        assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+
+
 def test_logit_bias_shifts_the_tokens_it_names(tiny, server):
     # The reference adds the bias to the model's logits in numpy before each greedy pick, on a
     # fresh prefill; -100 bans a token, +100 all but forces one.

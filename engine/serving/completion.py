@@ -307,12 +307,15 @@ def _logit_bias(value: Any) -> dict[int, float]:
                    "invalid_type")  # fmt: skip
     bias = {}
     for key, b in value.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 20):
             raise _bad(f"'logit_bias': keys are token ids (decimal integers), got {key!r}",
                        "logit_bias", "invalid_value")  # fmt: skip
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
             raise _bad(f"'logit_bias': a bias is a number from -100 to 100, got {b!r} for "
                        f"token {key}", "logit_bias", "invalid_value")  # fmt: skip
+        if int(key) in bias:  # "1" and "01"
+            raise _bad(f"'logit_bias' names token {int(key)} twice", "logit_bias",
+                       "invalid_value")  # fmt: skip
         bias[int(key)] = float(b)
     return bias
 

@@ -616,7 +616,7 @@ class ServerApp:
             return [first]
         rest = await asyncio.gather(*(
             self._start(request, dataclasses.replace(prepared, request=choice(prepared.request, i)),
-                        warm=False)
+                        warm=False, queue_checked=True)
             for i in range(1, n)
         ), return_exceptions=True)  # fmt: skip
         started = [first, *(r for r in rest if isinstance(r, Running))]
@@ -627,9 +627,12 @@ class ServerApp:
             raise failed[0]
         return started
 
-    async def _start(self, request: Request, prepared: PreparedChat, *, warm: bool) -> Running:
+    async def _start(self, request: Request, prepared: PreparedChat, *, warm: bool,
+                     queue_checked: bool = False) -> Running:  # fmt: skip
         """Queue `prepared` on the model thread; returns once its first event is in (so an
-        error in the prompt is still an HTTP error), raising the ApiError if it is one."""
+        error in the prompt is still an HTTP error), raising the ApiError if it is one.
+        `queue_checked`: a request's later choice, admitted with its first (the queue limit
+        counts requests: one of n choices never waits on a full queue of its own)."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         mine: list[Job] = []
 
@@ -642,7 +645,8 @@ class ServerApp:
                 for j in mine:
                     j.cancel()
 
-        self._check_queue()
+        if not queue_checked:
+            self._check_queue()
         job = self.worker.submit(prepared, emit, warm=warm and self.config.warm)
         mine.append(job)
         self._track(job)
