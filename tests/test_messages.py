@@ -245,6 +245,14 @@ def test_disable_parallel_tool_use_is_parallel_tool_calls_false():
     assert e.value.param == "tool_choice.disable_parallel_tool_use"
 
 
+def test_a_forced_tool_not_among_the_tools_names_tool_choice_name(server):
+    body = {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+            "tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}  # fmt: skip
+    r = httpx.post(server.url + "/v1/messages", json=body, timeout=30)
+    assert r.status_code == 400
+    assert "tool_choice.name" in r.json()["error"]["message"]  # not tool_choice.function.name
+
+
 def test_tool_use_answer_and_stream_shapes():
     """A Turn that calls a tool, as message and as events (the random model never calls one)."""
     import asyncio

@@ -179,7 +179,8 @@ def _thinking(value: Any) -> bool | None:
 
 _FIELDS = {
     "max_tokens": "max_tokens", "stop": "stop_sequences", "tools": "tools",
-    "tool_choice": "tool_choice", "chat_template_kwargs.enable_thinking": "thinking",
+    "tool_choice.function": "tool_choice", "tool_choice": "tool_choice",
+    "chat_template_kwargs.enable_thinking": "thinking",
 }  # fmt: skip
 _TOOL_FIELDS = {".function.parameters": ".input_schema", ".function": ""}
 
