@@ -215,6 +215,10 @@ class StatelessChat:
                 emit(("done", value))
             elif kind == "cancelled":  # the client went away; the generation has closed
                 emit(cancelled)
+            elif isinstance(value, GrammarError):  # the constraint, not the engine: a dead end
+                param = "tools" if prepared.request.forced_tools else "response_format"
+                emit(("error", ApiError(400, f"{param}: {value}", param=param,
+                                        code="invalid_value")))  # fmt: skip
             else:  # keep serving; the sequence has rolled back
                 if not isinstance(value, WorkerStopped):
                     log.error("generation failed", exc_info=value)

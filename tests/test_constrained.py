@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import mlx.core as mx
 import pydantic
@@ -313,3 +314,15 @@ def test_a_forced_call_of_a_tool_whose_parameters_use_defs_is_valid(tiny):
                          warm=False)  # fmt: skip
         assert turn.tool_call_error is None and len(turn.tool_calls) == 1, turn
         jsonschema.validate(turn.tool_calls[0].arguments, params)
+
+
+@pytest.mark.parametrize("regex", [r"[^\s\S]", r"a[^\s\S]b"])
+def test_a_constraint_no_answer_can_match_is_a_400_naming_it(server, regex):
+    # Refused before the turn when it allows no first token; found after "a" otherwise: both
+    # were a 500 "generation failed", as if the engine had failed.
+    body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}],
+            "response_format": {"type": "regex", "regex": regex}}  # fmt: skip
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "response_format" and "no answer can match" in error["message"]

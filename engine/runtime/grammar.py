@@ -209,7 +209,21 @@ def _compiled(grammar: str, llt):
     problem = llguidance.LLMatcher.validate_grammar(grammar, llt)
     if problem and not problem.startswith("WARNING"):
         raise GrammarError(f"invalid constraint: {problem}")
-    return llguidance.LLMatcher(llt, grammar, log_level=0)
+    matcher = llguidance.LLMatcher(llt, grammar, log_level=0)
+    if not matcher.is_accepting() and not _can_start(matcher.deep_copy(), llt):
+        # (else the answer would end at its first token, a failed generation: GrammarProcessor)
+        raise GrammarError("no answer can match the constraint: it allows no first token")
+    return matcher
+
+
+def _can_start(matcher, llt) -> bool:
+    """Whether the matcher allows a first token other than the end of the answer (a regex
+    of an empty class allows only that). One mask, under a millisecond; cached with the
+    compiled grammar."""
+    bits = np.zeros((llt.vocab_size + 31) // 32, dtype=np.int32)
+    matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+    allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little"))
+    return not set(allowed.tolist()) <= set(llt.eos_tokens)
 
 
 def check(engine, spec: dict) -> None:
