@@ -167,6 +167,12 @@ def test_count_tokens_is_the_prompt_a_request_prefills(tiny, server):
     assert counted.input_tokens == len(prompt_of(tiny, chat_messages, tools=CHAT_TOOLS).ids)
     m = ask(c, conversation, tools=TOOLS, system="Be brief.")
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == counted.input_tokens
+    # A conversation past the context window is counted (a client asks how much to trim),
+    # though /v1/messages refuses it.
+    long = [{"role": "user", "content": "word " * (SERVER_WINDOW + 100)}]
+    assert c.messages.count_tokens(model="tiny", messages=long).input_tokens > SERVER_WINDOW
+    with pytest.raises(anthropic.BadRequestError):
+        ask(c, long)
     # Checked as a Messages request is (no max_tokens needed), errors in Anthropic's shape.
     with pytest.raises(anthropic.BadRequestError) as e:
         c.messages.count_tokens(model="tiny", messages=[{"role": "robot", "content": "hi"}])

@@ -281,6 +281,8 @@ class ServerApp:
         self.renderer = Renderer(
             engine, self.window, special_tokens_in_content=config.special_tokens_in_content
         )
+        # count_tokens' renderer: no window (a body is at most max_body_bytes to tokenize)
+        self._counter = Renderer(engine, special_tokens_in_content=config.special_tokens_in_content)
         self.worker = engine.stateless  # runs every request on the engine's model thread
         self.jobs: set[Job] = set()  # this server's requests not yet finished
         self.reading: set[anyio.CancelScope] = set()  # request bodies still arriving
@@ -697,11 +699,15 @@ class ServerApp:
 
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic's token count: the prompt a Messages request with this body would prefill
-        (its `usage.input_tokens`), rendered and tokenized without running the model."""
+        (its `usage.input_tokens` + `cache_read_input_tokens`), rendered and tokenized without
+        running the model; a prompt past the context window is counted as well."""
 
         def count(raw: bytes) -> int:
             asked = messages.translate(decode_body(raw), self.sampling, counting=True)
-            return len(self._prepare_translated(asked.chat, asked.origins).prompt.ids)
+            try:  # a prompt past the window is counted too: how much to trim is the question
+                return len(self._counter.render(asked.chat).ids)
+            except ApiError as e:
+                raise asked.origins.error(e) from None
 
         try:
             raw = await self._read_body(request)
