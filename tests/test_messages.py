@@ -304,6 +304,9 @@ def test_tool_use_answer_and_stream_shapes():
           "tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
         ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
           "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
+        ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+          "mcp_servers": [{"type": "url", "url": "http://127.0.0.1:9", "name": "m"}]},
+         "mcp_servers"),
     ],
 )  # fmt: skip
 def test_bad_requests_in_anthropic_shape(server, body, field):

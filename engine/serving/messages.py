@@ -202,6 +202,9 @@ def translate(body: Any, defaults: Mapping | None = None, *, counting: bool = Fa
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", None, "invalid_type")
     origins = _Origins(_FIELDS)
+    if body.get("mcp_servers"):
+        raise bad("'mcp_servers' is not supported: the server runs no tools (send client tools "
+                  "in 'tools')", "mcp_servers", "unsupported")  # fmt: skip
     max_tokens = 1 if counting else body.get("max_tokens")
     if max_tokens is None:
         raise bad("'max_tokens' is required", "max_tokens", "missing")
