@@ -17,7 +17,7 @@ from helpers import openai_client as client
 from test_server import fresh_answer, prompt_of
 
 from engine.serving import responses as api
-from engine.serving.completion import parse_request
+from engine.serving.completion import ApiError, parse_request
 from engine.serving.translation import Origins
 from engine.turn import ToolCall, Turn, TurnStats
 
@@ -250,3 +250,14 @@ def test_parallel_tool_calls_is_taken_and_echoed():
         asked = api.translate(given_body, api.ResponseStore())
         assert asked.chat.parallel_tool_calls is parallel
         assert api.response(asked, "resp_1", 0, "tiny")["parallel_tool_calls"] is parallel
+
+
+@pytest.mark.parametrize("field, value", [("background", True), ("conversation", "conv_1"),
+                                          ("prompt", {"id": "pmpt_1"})])  # fmt: skip
+def test_server_side_state_it_does_not_keep_is_a_400_naming_it(field, value):
+    # Each was ignored: a background request expects to be polled, a conversation or a stored
+    # prompt carries context the answer was then written without.
+    with pytest.raises(ApiError) as e:
+        api.translate({"input": "x", field: value}, api.ResponseStore())
+    assert e.value.status == 400 and e.value.param == field
+    api.translate({"input": "x", "background": False}, api.ResponseStore())  # what it does

@@ -195,6 +195,12 @@ def translate(body: Any, store: ResponseStore, defaults: Mapping | None = None, 
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", None, "invalid_type")
     origins = _Origins(_FIELDS)
+    for name, why in (("background", "responses are answered while the request waits"),
+                      ("conversation", "the server keeps no conversation objects: send the "
+                                       "input, or previous_response_id"),
+                      ("prompt", "the server keeps no prompt templates: send instructions")):  # fmt: skip
+        if body.get(name) not in (None, False):
+            raise bad(f"'{name}' is not supported: {why}", name, "unsupported")
     history: list[dict] = []
     previous = body.get("previous_response_id")
     if previous is not None:
