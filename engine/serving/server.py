@@ -522,16 +522,6 @@ class ServerApp:
         return self.worker.prepare(chat, window=self.window, renderer=self.renderer,
                                    default_max_tokens=self.config.max_tokens, openai=True)  # fmt: skip
 
-    def _usage(self, turns: list[Turn]) -> dict:
-        s = turns[0].stats  # the choices share the prompt: it counts once
-        generated = sum(t.stats.generated_tokens for t in turns)
-        return {
-            "prompt_tokens": s.prompt_tokens,
-            "completion_tokens": generated,
-            "total_tokens": s.prompt_tokens + generated,
-            "prompt_tokens_details": {"cached_tokens": s.reused_tokens},
-        }
-
     def _completion(self, turns: list[Turn], ident: str, created: int, logprobs: bool = False
                     ) -> dict:  # fmt: skip
         return {
@@ -540,7 +530,7 @@ class ServerApp:
             "choices": [{"index": i, "message": self._message(turn),
                          "logprobs": self._logprobs(turn, logprobs), "finish_reason": _finish(turn)}
                         for i, turn in enumerate(turns)],
-            "usage": self._usage(turns),
+            "usage": text_completion.usage_of(turns),
         }  # fmt: skip
 
     def _message(self, turn: Turn) -> dict:
@@ -598,7 +588,7 @@ class ServerApp:
                     yield chunk(i, {}, _finish(turn))
             else:
                 if chat.include_usage:
-                    yield chunk(0, None, usage=self._usage(turns))
+                    yield chunk(0, None, usage=text_completion.usage_of(turns))
             yield "data: [DONE]\n\n"
         finally:
             for c in choices:
@@ -796,10 +786,7 @@ class ServerApp:
             if asked.logprobs is not None:
                 logprobs = text_completion.generated_logprobs_body(tokenizer, turn, asked.logprobs)
             answers.append((echo + text, turn.finish_reason, logprobs))
-        turns = [turn for _, turn in collected]
-        s = turns[0].stats  # the choices share the prompt: it counts once
-        usage = text_completion.usage(s.prompt_tokens, s.reused_tokens,
-                                      sum(t.stats.generated_tokens for t in turns))  # fmt: skip
+        usage = text_completion.usage_of([turn for _, turn in collected])
         body = text_completion.completion(ident, int(time.time()), model, answers, usage)
         return JSONResponse(body)
 

@@ -232,6 +232,12 @@ def usage(prompt_tokens: int, cached: int, completion_tokens: int) -> dict:
     }  # fmt: skip
 
 
+def usage_of(turns: list[Turn]) -> dict:
+    """The usage of a request's answers (its choices): they share the prompt, counted once."""
+    s = turns[0].stats
+    return usage(s.prompt_tokens, s.reused_tokens, sum(t.stats.generated_tokens for t in turns))
+
+
 def completion(ident: str, created: int, model: str, answers: list[tuple], usage: dict) -> dict:
     """The response body; `answers` per choice: (text, finish_reason, logprobs object)."""
     choices = [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -302,12 +308,6 @@ async def stream(events: AsyncIterator[tuple[int, tuple]] | None, request: Compl
         for i in range(n):
             yield _chunk(ident, created, model, "", "length", index=i)
     if request.chat.include_usage:
-        if events is None:
-            u = usage(len(request.prompt.ids), 0, 0)
-        else:
-            s = turns[0].stats  # the choices share the prompt: it counts once
-            u = usage(
-                s.prompt_tokens, s.reused_tokens, sum(t.stats.generated_tokens for t in turns)
-            )
+        u = usage(len(request.prompt.ids), 0, 0) if events is None else usage_of(turns)
         yield _chunk(ident, created, model, "", usage=u)
     yield "data: [DONE]\n\n"
