@@ -62,15 +62,19 @@ def _draft_caches_hold_their_tokens(draft: DraftModel):
     """Each draft sequence's caches equal a fresh prefill of its tokens (states to 1e-3
     after its chunked, stepped and rolled-back rounding)."""
     model = draft.engine.model
-    for seq in draft.sequences:
+    for i, seq in enumerate(draft.sequences):
         fresh = model.make_caches()
         prefill(model, fresh, seq.tokens, 0)
         assert {c.offset for c in seq.caches} == {len(seq.tokens)}
-        for a, b in zip(seq.caches, fresh):
+        for layer, (a, b) in enumerate(zip(seq.caches, fresh)):
             pairs = zip(a.state, b.state) if isinstance(a, KVCache) else \
                 [(a.conv, b.conv), (a.state, b.state)]  # fmt: skip
             for x, y in pairs:
-                np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-3)
+                # (seen once in CI, not reproduced: sequence 0's first conv tail differed in
+                # every value; the message says where, for the next time)
+                np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-3, err_msg=(
+                    f"draft sequence {i} of {len(draft.sequences)}, layer {layer}, "
+                    f"{len(seq.tokens)} tokens {seq.tokens}"))  # fmt: skip
 
 
 def test_a_draft_model_that_is_the_target_has_every_draft_stand():
