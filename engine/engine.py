@@ -217,6 +217,15 @@ class Engine:
 
         return last(self.chat_stream(messages, **options))
 
+    def chat_choices(self, messages: list[dict], n: int, **options) -> list:
+        """`n` answers (1 to 8) to one conversation, as the server's `n` gives them: the
+        prompt is prefilled once, the other answers fork from its end and decode together,
+        and with a `seed` answer i is the one `seed + i` gives alone. Options as
+        `chat_stream`; returns the Turns in order."""
+        from .stateless import chat_choices
+
+        return chat_choices(self, messages, n, **options)
+
     def chat_stream(
         self,
         messages: list[dict],

@@ -36,6 +36,7 @@ from .serving.completion import (
     _partial_suffix,
     check_body,
     check_logit_bias,
+    choice,
     output_budget,
     parse_request,
 )
@@ -199,6 +200,49 @@ class StatelessChat:
         finally:
             events.close()
         yield turn
+
+    def choices(self, prepared: PreparedChat, *, warm: bool = True) -> list[Turn]:
+        """The request's `n` answers, as the server's `n` runs them: the first prefills the
+        prompt; the others start once its first token is in, so they fork from its snapshot at
+        the generation start and decode in the same batched steps. Choice i takes the seed
+        moved on by i (`completion.choice`); only the first warms the next request. Blocks
+        until all are done; ChatError if one failed (the others are cancelled)."""
+        n = prepared.request.n
+        results: list = [None] * n
+        ended = [threading.Event() for _ in range(n)]
+        started = threading.Event()
+
+        def emit(i: int) -> Callable[[tuple], None]:
+            def put(event: tuple) -> None:
+                if event[0] in ("done", "error"):
+                    results[i] = event
+                    ended[i].set()
+                if i == 0 and event[0] in ("first", "done", "error"):
+                    started.set()
+
+            return put
+
+        jobs = [self.submit(prepared, emit(0), warm=warm)]
+        try:
+            started.wait()
+            if results[0] is None or results[0][0] == "done":
+                for i in range(1, n):
+                    one = dataclasses.replace(prepared, request=choice(prepared.request, i))
+                    jobs.append(self.submit(one, emit(i), warm=False))
+            for i in range(len(jobs)):
+                ended[i].wait()
+        except BaseException:  # (a KeyboardInterrupt while waiting)
+            for job in jobs:
+                job.cancel()
+            raise
+        for kind, value in results[: len(jobs)]:
+            if kind == "error":
+                for job in jobs:
+                    job.cancel()
+                if value.status >= 500:  # the engine failed, not the request
+                    raise RuntimeError(value.message)
+                raise ChatError(value.message, value.param, value.code)
+        return [value for _, value in results]
 
     def submit(self, prepared: PreparedChat, emit: Callable[[tuple], None], *,
                warm: bool = True) -> Job:  # fmt: skip
@@ -394,14 +438,29 @@ def openai_message(turn: Turn) -> Message:
 # ----- the Python API ----------------------------------------------------------------------
 
 
-def chat_stream(engine, messages: list[dict], *, tools=None, tool_choice=None, max_tokens=None,
-                temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
-                presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=None,
-                logit_bias=None, enable_thinking=None, preserve_thinking=None,
-                max_exchanges=None, context_window=None, warm=True, response_format=None,
-                logprobs=None, top_logprobs=None, max_thinking_tokens=None,
-                reasoning_effort=None) -> Iterator[str | Turn]:  # fmt: skip
+def chat_stream(engine, messages: list[dict], **options) -> Iterator[str | Turn]:
     """`Engine.chat_stream`: everything is checked here, before the generator is made."""
+    prepared, warm = prepare_chat(engine, messages, **options)
+    return engine.stateless.stream(prepared, warm=warm)
+
+
+def chat_choices(engine, messages: list[dict], n: int, **options) -> list[Turn]:
+    """`Engine.chat_choices`: checked here, then run (`StatelessChat.choices`)."""
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise ChatError(f"n must be an integer, got {n!r}", "n", "invalid_type")
+    prepared, warm = prepare_chat(engine, messages, n=n, **options)
+    return engine.stateless.choices(prepared, warm=warm)
+
+
+def prepare_chat(engine, messages: list[dict], *, tools=None, tool_choice=None, max_tokens=None,
+                 temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                 presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop=None,
+                 logit_bias=None, enable_thinking=None, preserve_thinking=None,
+                 max_exchanges=None, context_window=None, warm=True, response_format=None,
+                 logprobs=None, top_logprobs=None, max_thinking_tokens=None,
+                 reasoning_effort=None, n=1) -> tuple[PreparedChat, bool]:  # fmt: skip
+    """The Python API's options as the server's request, checked and rendered (ChatError
+    naming what is wrong), and whether to warm the next request."""
     if max_exchanges is not None and (isinstance(max_exchanges, bool)
                                       or not isinstance(max_exchanges, int) or max_exchanges < 0):  # fmt: skip
         raise ChatError(f"max_exchanges must be an integer >= 0 or None, got {max_exchanges!r}",
@@ -422,6 +481,7 @@ def chat_stream(engine, messages: list[dict], *, tools=None, tool_choice=None, m
         "chat_template_kwargs": {k: v for k, v in kwargs.items() if v is not None},
         "response_format": response_format, "logprobs": logprobs, "top_logprobs": top_logprobs,
         "max_thinking_tokens": max_thinking_tokens, "reasoning_effort": reasoning_effort,
+        "n": n,
     }  # fmt: skip
     body = {k: v for k, v in body.items() if v is not None}
     chat = engine.stateless
@@ -431,7 +491,7 @@ def chat_stream(engine, messages: list[dict], *, tools=None, tool_choice=None, m
         prepared = chat.prepare(request, window=context_window, max_exchanges=max_exchanges)
     except ApiError as e:
         raise ChatError(e.message, e.param, e.code) from None
-    return chat.stream(prepared, warm=warm)
+    return prepared, warm
 
 
 def _json_bias(bias):

@@ -288,6 +288,30 @@ def test_threads_chatting_at_once_get_the_answers_they_get_alone(tiny):
     assert [results[k] for k in range(len(conversations))] == alone
 
 
+def test_choices_are_the_seeded_answers_and_prefill_the_prompt_once(tiny):
+    messages = [{"role": "system", "content": "Sample."}, {"role": "user", "content": "Three?"}]
+    options = {"temperature": 1.0, "max_tokens": 6, "warm": False}
+    choices = tiny.chat_choices(messages, 3, seed=11, **options)
+    singles = [tiny.chat(messages, seed=11 + i, **options) for i in range(3)]
+    assert [c.token_ids for c in choices] == [s.token_ids for s in singles]
+    assert len({tuple(c.token_ids) for c in choices}) == 3
+    ids = tiny.stateless.prepare(parse_request({"messages": messages})).prompt
+    header = len(ids.ids) - ids.boundaries.generation_start  # all the later choices prefill
+    assert [c.stats.prefilled_tokens for c in choices[1:]] == [header, header]
+    for n, param in ((0, "n"), (9, "n"), ("2", "n")):
+        with pytest.raises(engine.ChatError) as e:
+            tiny.chat_choices(messages, n)
+        assert e.value.param == param
+    with pytest.raises(engine.ChatError) as e:  # a request error names its field, as chat's
+        tiny.chat_choices(messages, 2, temperature=-1)
+    assert e.value.param == "temperature"
+    dead_end = {"type": "regex", "regex": r"a[^\s\S]b"}  # found after the first token
+    with pytest.raises(engine.ChatError, match="no answer can match") as e:
+        tiny.chat_choices(messages, 2, response_format=dead_end, max_tokens=4, warm=False)
+    assert e.value.param == "response_format"
+    assert tiny.chat_choices(messages, 2, seed=11, **options)[1].token_ids == singles[1].token_ids
+
+
 def test_bad_input_raises_chat_error_naming_it_before_any_work(tiny):
     ok = [{"role": "user", "content": "hi"}]
     cases = [
