@@ -226,9 +226,8 @@ class StatelessChat:
         try:
             started.wait()
             if results[0] is None or results[0][0] == "done":
-                for i in range(1, n):
-                    one = dataclasses.replace(prepared, request=choice(prepared.request, i))
-                    jobs.append(self.submit(one, emit(i), warm=False))
+                for i, later in enumerate(later_choices(prepared), 1):
+                    jobs.append(self.submit(later, emit(i), warm=False))
             for i in range(len(jobs)):
                 ended[i].wait()
         except BaseException:  # (a KeyboardInterrupt while waiting)
@@ -407,6 +406,13 @@ class _Output:
         if reasoning or content or new:
             return ("delta", reasoning, content, new)
         return None
+
+
+def later_choices(prepared: PreparedChat) -> list[PreparedChat]:
+    """Choices 1 to n-1 of an `n`-choice request (`completion.choice`), started once the
+    first one's first token is in (`StatelessChat.choices`, the server's `_start_choices`)."""
+    n = prepared.request.n
+    return [dataclasses.replace(prepared, request=choice(prepared.request, i)) for i in range(1, n)]
 
 
 def snapshot_points(prompt: Prompt) -> set[int]:

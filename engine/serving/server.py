@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import hmac
 import ipaddress
 import json
@@ -51,10 +50,10 @@ from ..runtime.pool import DEFAULT_SEQUENCES
 from ..runtime.shard import EXIT_LOST
 from ..runtime.worker import Job
 from ..session import resolve_window
-from ..stateless import DEFAULT_MAX_TOKENS, PreparedChat, openai_message
+from ..stateless import DEFAULT_MAX_TOKENS, PreparedChat, later_choices, openai_message
 from ..turn import Turn
 from . import messages, responses, text_completion
-from .completion import THINK_END, ApiError, Renderer, choice, decode_body, parse_request
+from .completion import THINK_END, ApiError, Renderer, decode_body, parse_request
 from .logprobs import openai_content
 
 log = logging.getLogger("chatml.server")
@@ -499,7 +498,7 @@ class ServerApp:
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if chat.stream:
             stream = self._stream(chat, choices, ident, created)
-            return _Stream(stream, _Jobs(c.job for c in choices), media_type="text/event-stream",
+            return _Stream(stream, [c.job for c in choices], media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache"})  # fmt: skip
         try:
             turns = [await c.turn() for c in choices]
@@ -603,13 +602,11 @@ class ServerApp:
         the generation start (a fork, prefilling nothing of the prompt again) and decode in
         the same batched steps. Only the first warms the next request."""
         first = await self._start(request, prepared, warm=warm)
-        n = prepared.request.n
-        if n == 1:
+        if prepared.request.n == 1:
             return [first]
         rest = await asyncio.gather(*(
-            self._start(request, dataclasses.replace(prepared, request=choice(prepared.request, i)),
-                        warm=False, queue_checked=True)
-            for i in range(1, n)
+            self._start(request, later, warm=False, queue_checked=True)
+            for later in later_choices(prepared)
         ), return_exceptions=True)  # fmt: skip
         started = [first, *(r for r in rest if isinstance(r, Running))]
         failed = [r for r in rest if isinstance(r, BaseException)]
@@ -679,7 +676,7 @@ class ServerApp:
         if asked.chat.stream:
             stream = messages.stream(running.each(), asked, ident, self.config.model,
                                      len(prepared.prompt.ids), decode)  # fmt: skip
-            return _Stream(stream, running.job, media_type="text/event-stream",
+            return _Stream(stream, [running.job], media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache"})  # fmt: skip
         try:
             turn = await running.turn()
@@ -723,7 +720,7 @@ class ServerApp:
         ident, created, model = f"resp_{uuid.uuid4().hex}", int(time.time()), self.config.model
         if asked.chat.stream:
             stream = responses.stream(running.each(), asked, self.kept, ident, created, model)
-            return _Stream(stream, running.job, media_type="text/event-stream",
+            return _Stream(stream, [running.job], media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache"})  # fmt: skip
         try:
             turn = await running.turn()
@@ -761,7 +758,7 @@ class ServerApp:
         if asked.chat.stream:
             events = merged(choices) if choices else None
             stream = text_completion.stream(events, asked, ident, model, tokenizer, scored)
-            return _Stream(stream, _Jobs(c.job for c in choices), media_type="text/event-stream",
+            return _Stream(stream, [c.job for c in choices], media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache"})  # fmt: skip
         echo = asked.prompt.text if asked.echo else ""
         ids = asked.prompt.ids
@@ -887,34 +884,24 @@ async def merged(choices: list[Running]) -> AsyncIterator[tuple[int, tuple]]:
             c.cancel()
 
 
-class _Jobs:
-    """Several jobs cancelled as one (a streamed response's choices)."""
-
-    def __init__(self, jobs):
-        self.jobs = list(jobs)
-
-    def cancel(self) -> None:
-        for job in self.jobs:
-            job.cancel()
-
-
 def _finish(turn: Turn) -> str:
     return "tool_calls" if turn.tool_calls else turn.finish_reason
 
 
 class _Stream(StreamingResponse):
-    """A streaming response that cancels its job however it ends (a failed send included)."""
+    """A streaming response that cancels its jobs (a request's choices) however it ends (a
+    failed send included); none when nothing runs on the model (a prompt echoed as it is)."""
 
-    def __init__(self, content, job: Job | None, **kwargs):
+    def __init__(self, content, jobs: list[Job], **kwargs):
         super().__init__(content, **kwargs)
-        self.job = job  # None: nothing runs on the model (a prompt echoed as it is)
+        self.jobs = jobs
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if self.job is not None:
-                self.job.cancel()
+            for job in self.jobs:
+                job.cancel()
 
 
 def create_app(engine, config: ServerConfig | None = None) -> ServerApp:
