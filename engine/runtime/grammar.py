@@ -220,10 +220,16 @@ def _can_start(matcher, llt) -> bool:
     """Whether the matcher allows a first token other than the end of the answer (a regex
     of an empty class allows only that). One mask, under a millisecond; cached with the
     compiled grammar."""
-    bits = np.zeros((llt.vocab_size + 31) // 32, dtype=np.int32)
-    matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
-    allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little"))
+    allowed = np.flatnonzero(_allowed(matcher, llt.vocab_size))
     return not set(allowed.tolist()) <= set(llt.eos_tokens)
+
+
+def _allowed(matcher, vocab_size: int) -> np.ndarray:
+    """The matcher's mask for the next token: 1 where a token id may come next (`vocab_size`
+    rounded up to whole 32-bit words)."""
+    bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+    matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+    return np.unpackbits(bits.view(np.uint8), bitorder="little")
 
 
 def check(engine, spec: dict) -> None:
@@ -280,16 +286,13 @@ class GrammarProcessor(LogitsProcessor):
         self.stops = frozenset(engine.stop_ids)
         self._masked_stops: mx.array | None = None  # `_stop_mask`
         self.drafted = 0  # draft tokens the matcher holds (`draft`), undone by `restore`
-        self._words = (self.llt.vocab_size + 31) // 32
 
     def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
         if not self.active:
             return mx.where(self._stop_mask(logits.shape[-1]), -mx.inf, logits)
         if self.overlap:  # the model computes this step while the host computes its mask
             mx.async_eval(logits)
-        bits = np.zeros(self._words, dtype=np.int32)
-        self.matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
-        allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[: logits.shape[-1]]
+        allowed = _allowed(self.matcher, self.llt.vocab_size)[: logits.shape[-1]]
         return mx.where(mx.array(allowed.astype(bool)), logits, -mx.inf)
 
     def _stop_mask(self, vocab: int) -> mx.array:
