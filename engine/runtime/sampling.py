@@ -2,8 +2,9 @@
 
 A row's chain runs in one fixed order: the logit bias, the penalties (repetition, then
 presence and frequency), then a thinking budget, then the grammar mask (constrained
-decoding), then the pick (greedy, or temperature with top-k, top-p, min-p and a seeded key). Rows decoding in
-one batched step are picked together (`pick_rows`): each row's chain on its own logits, then
+decoding), then the pick (greedy, or temperature with top-k, top-p, min-p and a seeded key).
+Rows decoding in one batched step are picked together (`pick_rows`): each row's chain on its
+own logits, then
 one pick per group of rows that share their cuts, each row drawing at a uniform from its own
 key, so a row's tokens are those it would draw alone. A draw is the inverse CDF over the cut
 distribution in index order, on the CPU one native pass, elsewhere MLX's ops (`draw`).
@@ -76,9 +77,7 @@ class SamplingParams:
 
     def check_vocabulary(self, size: int) -> None:
         """ValueError if `logit_bias` names a token id past a vocabulary of `size` tokens."""
-        if self.logit_bias and self.logit_bias[-1][0] >= size:  # sorted by id
-            raise ValueError(f"logit_bias names token {self.logit_bias[-1][0]}, past the "
-                             f"vocabulary ({size} tokens)")  # fmt: skip
+        _check_ids(self.logit_bias, size, f"the vocabulary ({size} tokens)")
 
     def __post_init__(self):
         problems = []
@@ -118,10 +117,10 @@ class SamplingParams:
         else:
             for token, b in pairs:
                 if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-                    problems.append(f"logit_bias: token ids are integers >= 0, got {token!r}")
+                    problems.append(f"logit_bias token ids are integers >= 0, got {token!r}")
                 elif not _is_number(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
-                    problems.append(f"logit_bias: a bias is a number from -100 to 100, got {b!r}"
-                                    f" for token {token}")  # fmt: skip
+                    problems.append(f"logit_bias amounts are numbers from -100 to 100, got "
+                                    f"{b!r} for token {token}")  # fmt: skip
             if len({token for token, _ in pairs}) != len(pairs):
                 problems.append("logit_bias names a token twice")
         s = self.seed
@@ -283,14 +282,18 @@ class LogitBias(LogitsProcessor):
     def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
         V = logits.shape[-1]
         if self.bias is None or self.bias.shape[0] != V:
-            if self.pairs[-1][0] >= V:  # sorted by id: the last is the largest
-                raise ValueError(f"logit_bias names token {self.pairs[-1][0]}, past the "
-                                 f"model's {V} logits")  # fmt: skip
+            _check_ids(self.pairs, V, f"the model's {V} logits")
             bias = np.zeros(V, np.float32)
             for token, b in self.pairs:
                 bias[token] = b
             self.bias = mx.array(bias)
         return logits + self.bias
+
+
+def _check_ids(pairs: tuple, size: int, what: str) -> None:
+    """ValueError if sorted (id, bias) `pairs` name an id of `size` or more."""
+    if pairs and pairs[-1][0] >= size:  # sorted by id: the last is the largest
+        raise ValueError(f"logit_bias names token {pairs[-1][0]}, past {what}")
 
 
 def processors_for(params: SamplingParams) -> list[LogitsProcessor]:
